@@ -1,0 +1,3 @@
+"""rlhf-fusion: stage fusion plugins for existing RLHF trainers."""
+
+__version__ = "0.1.0"
