@@ -1,1 +1,58 @@
+"""Inter-stage fusion, rollout side: the GenerationBackend contract, the reference and vLLM
+backends, the migration planner (``rollout.planning``, torch-free) and the streaming coordinator.
 
+Importing this package imports no torch; the torch-based parts load on first attribute access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .backend import GenerationBackend
+from .types import (
+    BackendCapabilities,
+    CapabilityError,
+    CoordinatorTimeout,
+    KVCapacityError,
+    MigrationError,
+    MigrationTicket,
+    RolloutConfigError,
+    RolloutError,
+    SampleProgress,
+    SampleResult,
+    SampleSpec,
+)
+
+_LAZY = {
+    "ReferenceBackend": ".reference",
+    "VLLMBackend": ".vllm_backend",
+    "Experience": ".inference",
+    "InferenceModels": ".inference",
+    "RolloutConfig": ".coordinator",
+    "run_rollout": ".coordinator",
+    "launch": ".coordinator",
+    "LocalFusedRollout": ".local",
+}
+
+__all__ = [
+    "BackendCapabilities",
+    "CapabilityError",
+    "CoordinatorTimeout",
+    "GenerationBackend",
+    "KVCapacityError",
+    "MigrationError",
+    "MigrationTicket",
+    "RolloutConfigError",
+    "RolloutError",
+    "SampleProgress",
+    "SampleResult",
+    "SampleSpec",
+    *_LAZY,
+]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,258 @@
+"""Paged KV cache and the attention function the reference backend plugs into `transformers`.
+
+Each sample owns a list of fixed-size blocks in a per-layer pool of shape
+(num_blocks, block_size, num_kv_heads, head_dim), so exporting, importing, admitting and
+retiring one sample costs O(its own tokens) and never touches the others. The attention function
+is registered with ``transformers.AttentionInterface``; the model then calls it with the usual
+(query, key, value) and our ``paged_kv`` context rides along in the forward kwargs. With no
+context it is plain SDPA, so the model stays usable outside the backend.
+
+Decode attention uses ``rlhf_fusion.triton_kernels.decode_attention`` on CUDA when that module
+imports; otherwise a torch gather + SDPA that is also the CPU path.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from .types import KVCapacityError
+
+ATTN_IMPL_NAME = "rlhf_fusion_paged"
+
+
+@dataclass
+class KVHandle:
+    """The exported KV of one sample: (layers, 2, tokens, kv_heads, head_dim) on CPU."""
+
+    data: torch.Tensor
+
+    @property
+    def tokens(self) -> int:
+        return int(self.data.shape[2])
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size()
+
+
+class PagedKVPool:
+    """Fixed-size KV blocks for all layers; grows by doubling unless ``max_tokens`` is set."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        *,
+        block_size: int = 16,
+        max_tokens: int | None = None,
+        initial_tokens: int = 4096,
+        dtype: torch.dtype = torch.float64,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if block_size < 1:
+            raise ValueError("block_size must be >= 1")
+        self.num_layers = num_layers
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.block_size = block_size
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.max_blocks = None if max_tokens is None else max_tokens // block_size
+        start = math.ceil(initial_tokens / block_size)
+        if self.max_blocks is not None:
+            start = self.max_blocks
+        self._alloc(start)
+
+    def _alloc(self, num_blocks: int) -> None:
+        shape = (num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
+        self.k = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                  for _ in range(self.num_layers)]
+        self.v = [torch.zeros(shape, dtype=self.dtype, device=self.device)
+                  for _ in range(self.num_layers)]
+        self.num_blocks = num_blocks
+        self.free = list(range(num_blocks - 1, -1, -1))
+
+    def _grow(self, need: int) -> None:
+        old = self.num_blocks
+        new = max(2 * old, old + need)
+        shape = (new - old, self.block_size, self.num_kv_heads, self.head_dim)
+        for pool in (self.k, self.v):
+            for i, t in enumerate(pool):
+                pool[i] = torch.cat([t, torch.zeros(shape, dtype=t.dtype, device=t.device)])
+        self.free = list(range(new - 1, old - 1, -1)) + self.free
+        self.num_blocks = new
+
+    @property
+    def capacity_tokens(self) -> int | None:
+        return None if self.max_blocks is None else self.max_blocks * self.block_size
+
+    def blocks_for(self, tokens: int) -> int:
+        return math.ceil(tokens / self.block_size)
+
+    def can_allocate(self, tokens: int) -> bool:
+        return self.max_blocks is None or self.blocks_for(tokens) <= len(self.free)
+
+    def allocate(self, tokens: int) -> list[int]:
+        need = self.blocks_for(tokens)
+        if need > len(self.free):
+            if self.max_blocks is not None:
+                raise KVCapacityError(
+                    f"KV pool: {tokens} tokens need {need} blocks but {len(self.free)} of "
+                    f"{self.max_blocks} are free; raise kv_capacity_tokens or admit fewer samples"
+                )
+            self._grow(need - len(self.free))
+        return [self.free.pop() for _ in range(need)]
+
+    def release(self, blocks: Sequence[int]) -> None:
+        self.free.extend(reversed(blocks))
+
+    def slots(self, blocks: Sequence[int], start: int, stop: int) -> torch.Tensor:
+        """Flat slot index (block * block_size + offset) of token positions [start, stop)."""
+        pos = torch.arange(start, stop)
+        table = torch.as_tensor(list(blocks), dtype=torch.long)
+        return (table[pos // self.block_size] * self.block_size + pos % self.block_size).to(
+            self.device
+        )
+
+    def flat(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = self.num_blocks * self.block_size
+        return (self.k[layer].view(n, self.num_kv_heads, self.head_dim),
+                self.v[layer].view(n, self.num_kv_heads, self.head_dim))
+
+    def export(self, blocks: Sequence[int], tokens: int) -> KVHandle:
+        idx = self.slots(blocks, 0, tokens)
+        parts = []
+        for layer in range(self.num_layers):
+            k, v = self.flat(layer)
+            parts.append(torch.stack([k[idx], v[idx]]))
+        return KVHandle(torch.stack(parts).cpu())
+
+    def load(self, blocks: Sequence[int], handle: KVHandle) -> None:
+        data = handle.data
+        expect = (self.num_layers, 2, data.shape[2], self.num_kv_heads, self.head_dim)
+        if tuple(data.shape) != expect:
+            raise ValueError(
+                f"KV handle has shape {tuple(data.shape)} but this model's layout is {expect} "
+                "(layers, k/v, tokens, kv_heads, head_dim); migrate between identical models"
+            )
+        idx = self.slots(blocks, 0, handle.tokens)
+        data = data.to(device=self.device, dtype=self.dtype)
+        for layer in range(self.num_layers):
+            k, v = self.flat(layer)
+            k[idx] = data[layer, 0]
+            v[idx] = data[layer, 1]
+
+
+@dataclass
+class PagedContext:
+    """What one forward call needs to read and write the pool.
+
+    ``write_slots`` (B, T) are where the call's new keys/values go. For decode (T == 1) the
+    attention reads ``read_slots`` (B, Lmax) with ``read_mask``; prefill (B == 1) attends over
+    its own fresh keys causally, since it always starts from an empty context.
+    """
+
+    pool: PagedKVPool
+    write_slots: torch.Tensor
+    decode: bool
+    read_slots: torch.Tensor | None = None
+    read_mask: torch.Tensor | None = None
+    block_table: torch.Tensor | None = None
+    seq_lens: torch.Tensor | None = None
+    triton_fn: Callable[..., torch.Tensor] | None = None
+
+
+def _write(ctx: PagedContext, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
+    k, v = ctx.pool.flat(layer)
+    # (B, H, T, D) -> (B*T, H, D), matching write_slots flattened row-major.
+    b, h, t, d = key.shape
+    slots = ctx.write_slots.reshape(-1)
+    k.index_copy_(0, slots, key.transpose(1, 2).reshape(b * t, h, d).to(k.dtype))
+    v.index_copy_(0, slots, value.transpose(1, 2).reshape(b * t, h, d).to(v.dtype))
+
+
+def _decode_torch(
+    ctx: PagedContext, layer: int, query: torch.Tensor, scaling: float | None
+) -> torch.Tensor:
+    k, v = ctx.pool.flat(layer)
+    assert ctx.read_slots is not None and ctx.read_mask is not None
+    keys = k[ctx.read_slots].transpose(1, 2)  # (B, H, Lmax, D)
+    vals = v[ctx.read_slots].transpose(1, 2)
+    mask = ctx.read_mask[:, None, None, :]
+    out = F.scaled_dot_product_attention(
+        query, keys.to(query.dtype), vals.to(query.dtype), attn_mask=mask, scale=scaling,
+        enable_gqa=query.shape[1] != keys.shape[1],
+    )
+    return out
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    paged_kv: PagedContext | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """``transformers`` attention interface: (B, H, T, D) inputs, (B, T, H, D) output."""
+    if paged_kv is None:
+        out = F.scaled_dot_product_attention(
+            query, key, value, attn_mask=attention_mask, scale=scaling,
+            is_causal=attention_mask is None and query.shape[2] > 1,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )
+        return out.transpose(1, 2).contiguous(), None
+    layer = int(module.layer_idx)
+    _write(paged_kv, layer, key, value)
+    if not paged_kv.decode:
+        out = F.scaled_dot_product_attention(
+            query, key, value, scale=scaling, is_causal=query.shape[2] > 1,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )
+    elif paged_kv.triton_fn is not None:
+        out = paged_kv.triton_fn(
+            query[:, :, 0, :].contiguous(), paged_kv.pool.k[layer], paged_kv.pool.v[layer],
+            paged_kv.block_table, paged_kv.seq_lens,
+            sm_scale=scaling if scaling is not None else query.shape[-1] ** -0.5,
+        )[:, :, None, :]
+    else:
+        out = _decode_torch(paged_kv, layer, query, scaling)
+    return out.transpose(1, 2).contiguous(), None
+
+
+_registered = False
+
+
+def register_attention() -> str:
+    """Register the paged attention with transformers (idempotent); return its name."""
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface
+
+        AttentionInterface.register(ATTN_IMPL_NAME, paged_attention_forward)
+        _registered = True
+    return ATTN_IMPL_NAME
+
+
+def load_triton_decode(device: torch.device) -> Callable[..., torch.Tensor] | None:
+    """The Triton decode kernel when it can run here, else None (the torch path is used)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    try:
+        from rlhf_fusion.triton_kernels.decode_attention import decode_attention
+    except Exception as exc:  # not landed yet, or triton missing: the torch path is correct
+        warnings.warn(f"Triton decode kernel unavailable ({exc}); using torch attention",
+                      stacklevel=2)
+        return None
+    return decode_attention

@@ -1,0 +1,148 @@
+"""Data that crosses the GenerationBackend boundary (pure Python: imports no torch).
+
+A sample is one request. A *continuation* is a sample that already has generated tokens (and,
+for the KV mechanism, a KV handle): it is how a migrated sample re-enters a backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
+
+MigrationMode = Literal["kv", "tokens"]
+MIGRATION_MODES: tuple[str, ...] = ("kv", "tokens")
+
+
+class RolloutError(RuntimeError):
+    """Base class for rollout failures."""
+
+
+class RolloutConfigError(ValueError):
+    """A rollout configuration that cannot run; the message names the field and the fix."""
+
+
+class KVCapacityError(RolloutConfigError):
+    """The KV cache of the requested samples cannot fit on an instance."""
+
+
+class CapabilityError(RolloutError):
+    """The backend lacks a capability the caller asked for (for example KV export)."""
+
+
+class MigrationError(RolloutError):
+    """A migration did not complete (a peer died, timed out, or refused the samples)."""
+
+
+class CoordinatorTimeout(RolloutError):
+    """A rank waited longer than the timeout on a peer; the message names both and the wait."""
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """One generation request, or the continuation of a partially generated one.
+
+    ``max_new_tokens`` is the total response budget, including ``generated_ids`` already
+    produced. The sampling randomness of response position ``p`` is keyed on
+    ``(seed, sample_id, p)``, so a continuation yields the tokens the unmoved sample would have.
+    """
+
+    sample_id: int
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    seed: int = 0
+    temperature: float = 1.0
+    stop_token_ids: tuple[int, ...] = ()
+    generated_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] = ()
+    # Backend-specific KV state for the context prompt + generated_ids[:-1] (see ReferenceBackend).
+    kv: Any = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
+        object.__setattr__(self, "generated_ids", tuple(int(t) for t in self.generated_ids))
+        object.__setattr__(self, "logprobs", tuple(float(x) for x in self.logprobs))
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        where = f"SampleSpec(sample_id={self.sample_id})"
+        if int(self.sample_id) < 0:
+            raise RolloutConfigError(f"{where}: sample_id must be >= 0")
+        if not self.prompt_ids:
+            raise RolloutConfigError(f"{where}: prompt_ids is empty; give at least one token")
+        if self.max_new_tokens < 1:
+            raise RolloutConfigError(
+                f"{where}: max_new_tokens={self.max_new_tokens}; it must be >= 1"
+            )
+        if len(self.generated_ids) != len(self.logprobs):
+            raise RolloutConfigError(
+                f"{where}: {len(self.generated_ids)} generated_ids but {len(self.logprobs)} "
+                "logprobs; a continuation carries one logprob per generated token"
+            )
+        if len(self.generated_ids) >= self.max_new_tokens:
+            raise RolloutConfigError(
+                f"{where}: already has {len(self.generated_ids)} of max_new_tokens="
+                f"{self.max_new_tokens} tokens; a finished sample is a result, not a request"
+            )
+        if self.temperature < 0:
+            raise RolloutConfigError(f"{where}: temperature must be >= 0 (0 means greedy)")
+
+    @property
+    def is_continuation(self) -> bool:
+        return bool(self.generated_ids)
+
+    def without_kv(self) -> SampleSpec:
+        return replace(self, kv=None)
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """A finished sample. ``instance`` and ``migrated`` are provenance, not part of equality."""
+
+    sample_id: int
+    prompt_ids: tuple[int, ...]
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    finish_reason: str  # "length" or "stop"
+    instance: int = field(default=-1, compare=False)
+    migrated: bool = field(default=False, compare=False)
+
+
+@dataclass(frozen=True)
+class SampleProgress:
+    """Where an unfinished sample stands; what instances report to the coordinator."""
+
+    sample_id: int
+    prompt_len: int
+    generated: int
+    max_new_tokens: int
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV entries held now (the context minus the pending last token)."""
+        return self.prompt_len + max(self.generated - 1, 0)
+
+    @property
+    def reserved_tokens(self) -> int:
+        """KV entries the sample can grow to; what admission control reserves."""
+        return self.prompt_len + self.max_new_tokens
+
+
+@dataclass(frozen=True)
+class MigrationTicket:
+    """An exported sample: the continuation spec plus how it was exported."""
+
+    spec: SampleSpec
+    mode: MigrationMode
+    source: int = -1
+
+    @property
+    def sample_id(self) -> int:
+        return self.spec.sample_id
+
+
+@dataclass(frozen=True)
+class BackendCapabilities:
+    """What a backend can do; the planner falls back to "tokens" without ``kv_export``."""
+
+    kv_export: bool
+    kv_import: bool
+    streaming: bool = True
+    exact_migration: bool = False  # migrated samples reproduce the unmoved tokens exactly
