@@ -1,0 +1,181 @@
+"""PPO losses computed at each model's last pipeline stage.
+
+Per-token tensors are aligned with ``input_ids`` (shape ``[batch, seq]``): entry ``t`` refers to
+token ``t`` as an action, predicted from the prefix ``< t``. Column 0 is never an action, so
+``action_mask[:, 0]`` is 0. The same functions run in the single-device reference and in the
+pipeline, which is what makes the two comparable bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+KLMode = Literal["reward", "loss"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+
+@dataclass
+class PPOConfig:
+    """Hyper-parameters of the PPO update shared by the pipelined and the single-device path.
+
+    ``micro_batches`` is the number of micro-batches one optimizer step's batch is split into
+    (per data-parallel replica); ``accumulate_batches`` steps the optimizers every that many
+    batches. ``kl_mode="reward"`` means the KL penalty was already folded into the rewards by
+    the rollout side (see :func:`kl_penalized_rewards`); ``"loss"`` adds
+    ``kl_coef * KL(pi || ref)`` to the policy loss, which then needs ``ref_logprobs``.
+    """
+
+    micro_batches: int = 4
+    clip_eps: float = 0.2
+    value_clip_eps: float | None = 0.2
+    kl_mode: KLMode = "reward"
+    kl_coef: float = 0.0
+    kl_estimator: KLEstimator = "k3"
+    max_grad_norm: float | None = 1.0
+    accumulate_batches: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kl_mode not in ("reward", "loss"):
+            raise ValueError(f"ppo_config.kl_mode: must be 'reward' or 'loss', got {self.kl_mode!r}")
+        if self.kl_estimator not in ("k1", "k2", "k3"):
+            raise ValueError(
+                f"ppo_config.kl_estimator: must be 'k1', 'k2' or 'k3', got {self.kl_estimator!r}"
+            )
+        if self.micro_batches < 1:
+            raise ValueError(f"ppo_config.micro_batches: must be >= 1, got {self.micro_batches}")
+        if self.accumulate_batches < 1:
+            raise ValueError(
+                f"ppo_config.accumulate_batches: must be >= 1, got {self.accumulate_batches}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
+    mask = mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
+
+
+def logprobs_from_logits(logits: Tensor, input_ids: Tensor) -> Tensor:
+    """Log-probability of each token under the logits of the previous position; column 0 is 0."""
+    logp = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    taken = logp.gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    return F.pad(taken, (1, 0))
+
+
+def values_from_head(values: Tensor) -> Tensor:
+    """Align per-position value-head outputs with actions: V for token t is read at t-1."""
+    return F.pad(values[:, :-1].float(), (1, 0))
+
+
+def kl_estimate(logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k3") -> Tensor:
+    """Per-token estimate of KL(pi || ref) from samples of pi (Schulman's k1/k2/k3)."""
+    log_ratio = logprobs - ref_logprobs
+    if estimator == "k1":
+        return log_ratio
+    if estimator == "k2":
+        return 0.5 * log_ratio.square()
+    return torch.expm1(-log_ratio) + log_ratio
+
+
+def kl_penalized_rewards(
+    scores: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    action_mask: Tensor,
+    kl_coef: float,
+    estimator: KLEstimator = "k1",
+) -> Tensor:
+    """Per-token rewards for ``kl_mode="reward"``: ``-kl_coef * KL`` on every action, plus the
+    sequence score on each row's last action."""
+    mask = action_mask.to(logprobs.dtype)
+    rewards = -kl_coef * kl_estimate(logprobs, ref_logprobs, estimator) * mask
+    last = (mask.cumsum(-1) == mask.sum(-1, keepdim=True)) & action_mask.bool()
+    last = last & (last.long().cumsum(-1) == 1)
+    return rewards + last.to(rewards.dtype) * scores.reshape(-1, 1).to(rewards.dtype)
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    action_mask: Tensor,
+    *,
+    clip_eps: float = 0.2,
+    ref_logprobs: Tensor | None = None,
+    kl_mode: KLMode = "reward",
+    kl_coef: float = 0.0,
+    kl_estimator: KLEstimator = "k3",
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped PPO surrogate, token mean over the actions of the micro-batch."""
+    ratio = torch.exp(logprobs - old_logprobs)
+    surr = torch.minimum(ratio * advantages, ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages)
+    per_token = -surr
+    stats: dict[str, Tensor] = {}
+    if kl_mode == "loss" and kl_coef != 0.0:
+        if ref_logprobs is None:
+            raise ValueError("policy_loss: kl_mode='loss' needs ref_logprobs in the experience")
+        kl = kl_estimate(logprobs, ref_logprobs, kl_estimator)
+        per_token = per_token + kl_coef * kl
+        stats["kl"] = masked_mean(kl.detach(), action_mask)
+    loss = masked_mean(per_token, action_mask)
+    with torch.no_grad():
+        stats["clip_frac"] = masked_mean(((ratio - 1.0).abs() > clip_eps).float(), action_mask)
+        stats["approx_kl"] = masked_mean(old_logprobs - logprobs, action_mask)
+    return loss, stats
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    action_mask: Tensor,
+    *,
+    clip_eps: float | None = 0.2,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped value loss ``0.5 * max((v - R)^2, (v_clip - R)^2)``, token mean."""
+    err = (values - returns).square()
+    if clip_eps is not None:
+        clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+        err = torch.maximum(err, (clipped - returns).square())
+    loss = 0.5 * masked_mean(err, action_mask)
+    with torch.no_grad():
+        stats = {"value_mean": masked_mean(values, action_mask)}
+    return loss, stats
+
+
+def actor_ppo_loss(
+    logits: Tensor, mb: dict[str, Tensor], cfg: PPOConfig
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The Actor's loss on one micro-batch of experience (logits from the LM head)."""
+    logprobs = logprobs_from_logits(logits, mb["input_ids"])
+    return policy_loss(
+        logprobs,
+        mb["old_logprobs"],
+        mb["advantages"],
+        mb["action_mask"],
+        clip_eps=cfg.clip_eps,
+        ref_logprobs=mb.get("ref_logprobs"),
+        kl_mode=cfg.kl_mode,
+        kl_coef=cfg.kl_coef,
+        kl_estimator=cfg.kl_estimator,
+    )
+
+
+def critic_ppo_loss(
+    values: Tensor, mb: dict[str, Tensor], cfg: PPOConfig
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """The Critic's loss on one micro-batch (per-position outputs of the value head)."""
+    return value_loss(
+        values_from_head(values),
+        mb["old_values"],
+        mb["returns"],
+        mb["action_mask"],
+        clip_eps=cfg.value_clip_eps,
+    )

@@ -1,0 +1,129 @@
+"""Runtime: pipelined Actor+Critic training equals unpipelined training; faults raise, not hang.
+
+Each multi-process run spawns its ranks once and trains several configurations in them (the
+import of torch + transformers dominates the cost on a 2-core machine).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from rlhf_fusion.runtime.launch import run_ranks  # noqa: E402
+from rlhf_fusion.runtime.testing import (  # noqa: E402
+    Case,
+    exactness_worker,
+    fault_worker,
+    max_abs_diff,
+    merge_states,
+    run_reference,
+)
+
+TOL = 1e-6  # fp32, max abs parameter difference after all steps
+
+CASES_2 = [
+    # Single copies, micro-batches in order on every stage: expected bit-identical.
+    Case("llama4+llama2 S2/S2 M4", {"actor": ("llama", 4), "critic": ("llama", 2, 48)}, 2, 2, 2, 4),
+    # Critic with two copies (K2 = 2), one stage each; different families and sizes.
+    Case("llama4+qwen2 S2/S1xK2 M8", {"actor": ("llama", 4), "critic": ("qwen2", 2)}, 2, 2, 1, 8),
+    # GPT-2 ties the embedding and LM head across stage 0 and stage 1; 1F1B concatenated.
+    Case(
+        "gpt2(tied)+llama S2/S2 M4 c1f1b",
+        {"actor": ("gpt2", 3), "critic": ("llama", 2)}, 2, 2, 2, 4, solver="concatenated_1f1b",
+    ),
+    # KL in the loss instead of the reward; tied Qwen2 actor; GPT-2 critic.
+    Case(
+        "qwen2(tied)+gpt2 S2/S2 M8 kl-loss",
+        {"actor": ("qwen2", 3, 32, True), "critic": ("gpt2", 2)}, 2, 2, 2, 8,
+        ppo={"kl_mode": "loss", "kl_coef": 0.1},
+    ),
+]
+
+CASES_4 = [
+    # Critic K2 = 2 copies of 2 stages next to a 4-stage actor.
+    Case("llama4+llama2 S4/S2xK2 M8", {"actor": ("llama", 4), "critic": ("llama", 2)}, 4, 4, 2, 8),
+    # Both 4 stages, uneven layer split of a 5-layer tied actor.
+    Case(
+        "qwen2(tied)5+gpt2 S4/S4 M4",
+        {"actor": ("qwen2", 5, 32, True), "critic": ("gpt2", 4)}, 4, 4, 4, 4,
+    ),
+    # Actor with two copies, critic over all four groups.
+    Case("llama+llama S2xK2/S4 M8", {"actor": ("llama", 2), "critic": ("llama", 4, 48)}, 4, 2, 4, 8),
+    # Two data-parallel replicas of a 2-group fused pipeline (world = 2 x 2).
+    Case(
+        "dp2 x (llama S2 + qwen2 S1xK2) M4",
+        {"actor": ("llama", 2), "critic": ("qwen2", 2)}, 2, 2, 1, 4, replicas=2,
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def results_2():
+    return run_ranks(exactness_worker, 2, CASES_2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def results_4():
+    return run_ranks(exactness_worker, 4, CASES_4, timeout=400)
+
+
+def _check(case: Case, index: int, results) -> None:
+    prev = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        ref = run_reference(case)
+    finally:
+        torch.set_num_threads(prev)
+    got = merge_states([r.value for r in results], index)
+    diff, identical = max_abs_diff(ref["state"], got)
+    assert diff <= TOL, f"{case.name}: max abs parameter difference {diff:.3g} > {TOL}"
+    # The parameters must actually have moved, or equality would prove nothing.
+    init = run_reference(Case(**{**case.__dict__, "steps": 0}))["state"]
+    moved, _ = max_abs_diff(init, got)
+    assert moved > 1e-4, f"{case.name}: parameters did not change ({moved})"
+    # Logged losses are the reduced (mean over all micro-batches) values of the reference.
+    for step, (r, p) in enumerate(zip(ref["stats"], results[0].value[index]["stats"], strict=True)):
+        for model in ("actor", "critic"):
+            assert p["stats"][model]["loss"] == pytest.approx(r["stats"][model]["loss"], rel=1e-5), (
+                case.name, step, model,
+            )
+            assert p["grad_norm"][model] == pytest.approx(r["grad_norm"][model], rel=1e-5)
+    return identical
+
+
+@pytest.mark.parametrize("index", range(len(CASES_2)), ids=[c.name for c in CASES_2])
+def test_two_ranks_match_unpipelined(results_2, index):
+    identical = _check(CASES_2[index], index, results_2)
+    if index == 0:
+        assert identical, "single-copy, in-order schedule should be bit-identical"
+
+
+@pytest.mark.parametrize("index", range(len(CASES_4)), ids=[c.name for c in CASES_4])
+def test_four_ranks_match_unpipelined(results_4, index):
+    _check(CASES_4[index], index, results_4)
+
+
+@pytest.mark.parametrize("mode", ["stall", "die", "mismatch"])
+def test_faulty_peer_raises_within_timeout(mode):
+    timeout = 2.0
+    victim = 1
+    res = run_ranks(
+        fault_worker, 2, mode, victim, timeout, timeout=120, raise_on_error=False, wait_for=[0]
+    )
+    survivor = res[0]
+    assert survivor.ok, survivor.traceback
+    out = survivor.value
+    assert out["error_type"] in ("PipelineTimeoutError", "PeerError"), out
+    # Within the configured timeout (plus scheduling slack), never a hang.
+    assert out["elapsed"] < timeout + 3.0, out
+    msg = out["message"]
+    assert "rank 0" in msg and ("actor" in msg or "critic" in msg), msg
+    if mode == "stall":
+        assert out["error_type"] == "PipelineTimeoutError"
+        assert "micro-batch" in msg and "stage" in msg, msg
+    if mode == "mismatch":
+        # The victim itself sees the wrong micro-batch header first.
+        assert res[1].ok and res[1].value["error_type"] == "PeerError", res[1]
+        assert "do not match" in res[1].value["message"]
