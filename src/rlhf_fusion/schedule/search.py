@@ -1,0 +1,137 @@
+"""The search behind ``solve(solver="anneal" | "cpsat" | "auto")``.
+
+``auto``: greedy, a short anneal from it, then CP-SAT. CP-SAT first asks whether the lower
+bound is reachable (a makespan capped at the bound propagates strongly and is usually decided
+in seconds), falls back to minimising the makespan from the best order so far, and spends the
+rest of the budget on the memory pass with the makespan held.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from .anneal import anneal
+from .baselines import concatenated_1f1b
+from .cpsat import solve_cpsat
+from .evaluate import CompiledProblem, IdOrder, ProblemError
+from .greedy import greedy
+from .problem import Problem, Task
+
+
+class InfeasibleError(ProblemError):
+    """No schedule fits the memory capacity (or none was found within the time budget)."""
+
+
+def _fits(cp: CompiledProblem, order: IdOrder, caps) -> bool:
+    return caps is None or all(p <= c + 1e-9 for p, c in zip(cp.group_peaks(order), caps))
+
+
+def search(
+    problem: Problem,
+    cp: CompiledProblem,
+    *,
+    solver: str,
+    time_limit: float,
+    seed: int,
+    workers: int | None,
+    memory_pass: bool,
+    lower_bound: float,
+    progress=None,
+) -> tuple[list[list[Task]], bool, dict[str, Any]]:
+    t0 = time.perf_counter()
+    deadline = t0 + time_limit
+    caps = list(problem.memory_capacity) if problem.memory_capacity is not None else None
+    workers = workers or 2
+    stats: dict[str, Any] = {"phases": []}
+
+    def note(phase: str, order: IdOrder, **extra: Any) -> None:
+        ms = cp.makespan(order)
+        entry = {"phase": phase, "makespan": ms, "peak_activation": round(cp.peak(order), 6)}
+        entry.update(extra)
+        entry["elapsed"] = round(time.perf_counter() - t0, 3)
+        stats["phases"].append(entry)
+        if progress is not None:
+            progress(phase, min(1.0, entry["elapsed"] / time_limit), ms)
+
+    # A valid start: the greedy, or concatenated 1F1B (whose per-group peak is the serial one)
+    # when the greedy breaks the capacity.
+    best = cp.ids(greedy(problem))
+    if not _fits(cp, best, caps):
+        best = cp.ids(concatenated_1f1b(problem))
+        if not _fits(cp, best, caps) and solver == "anneal":
+            raise InfeasibleError(
+                "infeasible under capacity: even concatenated 1F1B needs "
+                f"{max(cp.group_peaks(best)):g} on some group; raise memory_capacity or use "
+                "solver='cpsat' to search for a lower-memory order"
+            )
+    start_valid = _fits(cp, best, caps)
+    if start_valid:
+        note("start", best)
+    optimal = False
+
+    def remaining() -> float:
+        return deadline - time.perf_counter()
+
+    if solver in ("anneal", "auto") and start_valid:
+        share = remaining() if solver == "anneal" else min(remaining() * 0.1, 5.0)
+        res = anneal(
+            problem, cp, best, seconds=share, seed=seed, workers=workers,
+            memory_fraction=0.3, caps=caps,
+        )
+        stats["anneal"] = {"makespan": res.makespan, "peak_activation": round(res.peak, 6),
+                           "steps_per_worker": res.steps}
+        if (res.makespan, res.peak) < (cp.makespan(best), cp.peak(best)):
+            best = res.order
+        note("anneal", best)
+
+    if solver in ("cpsat", "auto"):
+        best_ms = cp.makespan(best) if start_valid else float("inf")
+        phase1 = remaining() * (0.6 if memory_pass else 1.0)
+        t_phase = time.perf_counter()
+        # 1) Is the lower bound reachable?
+        if best_ms > lower_bound + 1e-9:
+            r = solve_cpsat(
+                cp, time_limit=phase1 * 0.6, lower_bound=lower_bound, makespan_cap=lower_bound,
+                memory_cap=caps, hint_order=best if start_valid else None, workers=workers, seed=seed,
+            )
+            stats["cpsat_at_bound"] = r.status
+            if r.order is not None:
+                best, best_ms, start_valid = r.order, cp.makespan(r.order), True
+                note("cpsat-bound", best)
+        # 2) Otherwise minimise the makespan from the best order so far.
+        left = phase1 - (time.perf_counter() - t_phase)
+        if best_ms > lower_bound + 1e-9 and left > 0.5:
+            r = solve_cpsat(
+                cp, time_limit=left, lower_bound=lower_bound,
+                makespan_cap=None if best_ms == float("inf") else best_ms,
+                memory_cap=caps, hint_order=best if start_valid else None, workers=workers, seed=seed,
+            )
+            stats["cpsat_makespan"] = r.status
+            if r.order is not None and cp.makespan(r.order) < best_ms:
+                best, best_ms, start_valid = r.order, cp.makespan(r.order), True
+                note("cpsat-makespan", best)
+            optimal = r.proven_optimal
+            if r.infeasible and caps is not None and not start_valid:
+                raise InfeasibleError(
+                    "infeasible under capacity: no order keeps every group within "
+                    f"memory_capacity={caps}; raise the capacity or use fewer micro-batches in flight"
+                )
+        if not start_valid:
+            raise InfeasibleError(
+                f"no schedule within memory_capacity={caps} was found in {time_limit:g} s; "
+                "raise the capacity or the time limit"
+            )
+        # 3) Memory pass: hold the makespan, lower the peak.
+        if memory_pass and remaining() > 0.5:
+            from .memory import reduce_peak
+
+            best = reduce_peak(
+                cp, best, makespan=best_ms, seconds=remaining(), caps=caps, workers=workers,
+                seed=seed, stats=stats,
+            )
+            note("memory", best)
+    if not start_valid:
+        raise InfeasibleError(f"no schedule within memory_capacity={caps}")
+    stats["optimal"] = optimal
+    return cp.tasks_of(best), optimal, stats
