@@ -171,7 +171,7 @@ class LocalFusedRollout:
                 results.extend(pending)
                 pending = []
         else:
-            for i, b in enumerate(self.backends):
+            for b in self.backends:
                 results.extend(b.results())
             if self.inference is not None:
                 scored = self.inference.score(results)

@@ -287,7 +287,7 @@ class ReferenceBackend:
             [s.spec.temperature for s in seqs],
         )
         done: set[int] = set()
-        for s, tok, lp in zip(seqs, tokens, logps):
+        for s, tok, lp in zip(seqs, tokens, logps, strict=True):
             s.generated.append(int(tok))
             s.logprobs.append(float(lp))
             reason = None

@@ -119,6 +119,7 @@ class LengthDistribution:
         if obs.size == 0:
             return self
         lengths = np.concatenate([self.lengths, obs])
-        weights = np.concatenate([self.weights * (1 - weight), np.full(obs.size, weight / obs.size)])
+        weights = np.concatenate(
+            [self.weights * (1 - weight), np.full(obs.size, weight / obs.size)])
         keep = weights > 1e-12  # old iterations fade out instead of growing the sample forever
         return LengthDistribution(lengths[keep], weights[keep])

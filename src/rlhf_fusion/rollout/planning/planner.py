@@ -62,11 +62,11 @@ def validate_fusion(
     elif m < 1:
         raise RolloutConfigError(f"m={m}: the number of destination instances must be >= 1")
     elif m < need:
+        by_kv = "" if cap is None else (
+            f", ceil(R_t*M/C) = {math.ceil(rt * longest_kv_tokens / cap)}")
         raise RolloutConfigError(
             f"m={m} destinations cannot hold R_t={rt} samples: they need at least {need} "
-            f"(ceil(R_t/BS_max) = {math.ceil(rt / bs_max)}"
-            + ("" if cap is None else f", ceil(R_t*M/C) = {math.ceil(rt * longest_kv_tokens / cap)}")
-            + f"); set m >= {need} or lower R_t"
+            f"(ceil(R_t/BS_max) = {math.ceil(rt / bs_max)}{by_kv}); set m >= {need} or lower R_t"
         )
     if m >= instances:
         per = bs_max if cap is None else min(bs_max, int(cap // max(longest_kv_tokens, 1)))

@@ -311,7 +311,8 @@ def sweep_rt(
         it = tqdm(grid, desc="simulating R_t", unit="R_t")
     out = SweepResult(batch_size)
     for rt in it:
-        res = [simulate_fused(b, c, rt, serial_finish=s[2]) for b, s in zip(batches, serial)]
+        res = [simulate_fused(b, c, rt, serial_finish=s[2])
+               for b, s in zip(batches, serial, strict=True)]
         fused = float(np.mean([r.fused_s for r in res]))
         mech = max({r.mechanism for r in res}, key=[r.mechanism for r in res].count)
         out.points.append(SweepPoint(rt, rt / batch_size, res[0].m, fused,

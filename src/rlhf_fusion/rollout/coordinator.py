@@ -1,0 +1,593 @@
+"""Streaming coordinator: inter-stage fusion across ranks on torch.distributed.
+
+Each rank is one generation instance (a GenerationBackend) that also holds the Ref, Reward and
+Critic models. Timeline of ``run_rollout`` on every rank, fused mode:
+
+1. **Generate and report.** Each rank decodes its shard and publishes its unfinished count in
+   the c10d store every ``report_every`` steps, without waiting for the others (a collective
+   here would lock every rank to the slowest one's step rate). The first rank that sees at most
+   R_t unfinished samples in total sets the trigger key; every rank polls it.
+2. **Plan.** One collective (``all_gather_object``) of every rank's progress; every rank then
+   computes the same ``assign_migration`` plan: the m ranks with most samples left are the
+   destinations, the rest are freed.
+3. **Migrate.** Sources export their unfinished samples ("kv" or "tokens") and send the tickets
+   point-to-point; destinations import them and acknowledge. A source that gets no
+   acknowledgement within the timeout raises ``MigrationError`` naming the destination.
+4. **Stream.** Destinations keep generating and push every finished sample (first the ones
+   they had finished before the trigger) into a store queue. Freed ranks score their own
+   finished samples, then pop from the queue as samples arrive, so each long-tail sample is
+   scored as soon as it ends. A destination whose generation is over pops from the queue too.
+   Waiting consumers watch the destinations' heartbeats and raise ``CoordinatorTimeout`` naming
+   the silent rank after ``timeout_s``.
+5. **Assemble.** ``all_gather_object`` of everyone's experience; every rank returns the batch
+   sorted by sample id, checked exactly-once.
+
+Serial mode: generate the shard, wait for every rank to finish (inference cannot start before
+the last sample ends), score the own shard, assemble. Same models, same numbers.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .backend import GenerationBackend
+from .inference import Experience, InferenceModels
+from .local import (
+    RolloutOutput,
+    assemble,
+    check_specs,
+    moving,
+    resolve_mode,
+    shard_of,
+    should_trigger,
+)
+from .planning.planner import (
+    MigrationAssignment,
+    assign_migration,
+    choose_mechanism,
+    validate_fusion,
+)
+from .types import (
+    CoordinatorTimeout,
+    MigrationError,
+    RolloutConfigError,
+    RolloutError,
+    SampleProgress,
+    SampleResult,
+    SampleSpec,
+)
+from .wire import header, pack_tickets, unpack_tickets
+
+_TAG_TICKETS = 1100  # +0 header, +1 ints, +2 floats
+_TAG_ACK = 1110
+FAULTS = ("kill_destination_during_migration",)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """How one rollout runs. ``rt`` (samples) or ``rt_fraction`` (of the batch) sets R_t."""
+
+    fused: bool = True
+    rt: int | None = None
+    rt_fraction: float | None = None
+    m: int | None = None
+    mechanism: str = "kv"  # "kv", "tokens", or "auto" (planner rule from the two costs below)
+    bandwidth_bytes_s: float = 1e9
+    prefill_s_per_token: float = 1e-4
+    report_every: int = 4
+    timeout_s: float = 60.0
+    heartbeat_s: float = 0.25
+    kv_capacity_tokens: float | None = None
+    # Testing hook: make a rank fail at a chosen point ("kill_destination_during_migration").
+    inject_fault: str | None = None
+
+    def resolve_rt(self, batch_size: int) -> int:
+        if self.rt is not None and self.rt_fraction is not None:
+            raise RolloutConfigError("give rt or rt_fraction, not both")
+        if self.rt is not None:
+            return int(self.rt)
+        if self.rt_fraction is not None:
+            if not 0 < self.rt_fraction <= 1:
+                raise RolloutConfigError(
+                    f"rt_fraction={self.rt_fraction} is outside the batch; use a fraction in "
+                    "(0, 1], e.g. 0.2")
+            return max(1, round(self.rt_fraction * batch_size))
+        raise RolloutConfigError("fused rollout needs R_t: set rt (samples) or rt_fraction "
+                                 "(or run `rlhf-fusion plan-migration` to choose one)")
+
+    def validate(self) -> None:
+        if self.report_every < 1:
+            raise RolloutConfigError("report_every must be >= 1")
+        if self.timeout_s <= 0 or self.heartbeat_s <= 0 or self.heartbeat_s >= self.timeout_s:
+            raise RolloutConfigError("need 0 < heartbeat_s < timeout_s")
+        if self.mechanism not in ("kv", "tokens", "auto"):
+            raise RolloutConfigError(f"mechanism={self.mechanism!r}; use 'kv', 'tokens' or 'auto'")
+        if self.inject_fault is not None and self.inject_fault not in FAULTS:
+            raise RolloutConfigError(f"inject_fault={self.inject_fault!r}; known: {FAULTS}")
+
+
+def check_rollout(specs: Sequence[SampleSpec], config: RolloutConfig, world_size: int,
+                  bs_max: int) -> int | None:
+    """Validate a rollout before any process starts; returns m (None when serial).
+
+    ``run_rollout`` runs the same checks on every rank; call this first to fail in the parent.
+    """
+    config.validate()
+    check_specs(specs)
+    if not config.fused:
+        return None
+    rt = config.resolve_rt(len(specs))
+    return validate_fusion(
+        batch_size=len(specs), instances=world_size, rt=rt, bs_max=bs_max,
+        longest_kv_tokens=max(len(s.prompt_ids) + s.max_new_tokens for s in specs),
+        kv_capacity_tokens=config.kv_capacity_tokens, m=config.m)
+
+
+_run_counter = 0
+
+
+class _Rank:
+    """Per-call state and the messaging helpers, each bounded by the timeout."""
+
+    def __init__(self, config: RolloutConfig, store: Any) -> None:
+        global _run_counter
+        _run_counter += 1
+        self.rank = dist.get_rank()
+        self.world = dist.get_world_size()
+        self.cfg = config
+        self.timeout = timedelta(seconds=config.timeout_s)
+        self.store = store
+        self.prefix = f"rlhf_fusion/rollout/{_run_counter}/"
+        self._keys: set[str] = set()
+
+    def key(self, name: str) -> str:
+        k = self.prefix + name
+        self._keys.add(k)
+        return k
+
+    def wait(self, work: Any, what: str, peer: int, exc_type: type = CoordinatorTimeout) -> None:
+        try:
+            work.wait(self.timeout)
+        except Exception as exc:
+            raise exc_type(
+                f"rank {self.rank}: {what} (peer rank {peer}) failed within the "
+                f"{self.cfg.timeout_s:g}s timeout; rank {peer} died or hung ({exc})"
+            ) from exc
+
+    def gather(self, obj: Any, what: str) -> list[Any]:
+        out: list[Any] = [None] * self.world
+        try:
+            dist.all_gather_object(out, obj)
+        except Exception as exc:
+            raise CoordinatorTimeout(
+                f"rank {self.rank}: all-gather of {what} failed within the "
+                f"{self.cfg.timeout_s:g}s timeout; a peer died or hung ({exc})"
+            ) from exc
+        return out
+
+
+def _default_store() -> Any:
+    # The c10d store of the default group; a private accessor, but stable since torch 1.x.
+    return dist.distributed_c10d._get_default_store()
+
+
+def run_rollout(
+    backend: GenerationBackend,
+    inference: InferenceModels | None,
+    specs: Sequence[SampleSpec],
+    config: RolloutConfig,
+    *,
+    bs_max: int | None = None,
+    store: Any = None,
+) -> RolloutOutput:
+    """One generation + inference stage on every rank of the default process group.
+
+    Every rank passes the same ``specs`` and ``config``; each generates the samples with
+    ``sample_id % world_size == rank`` first. Returns the whole batch, sorted, on every rank.
+    """
+    if not dist.is_initialized():
+        raise RolloutConfigError("run_rollout needs torch.distributed initialised (see launch())")
+    bs_max = bs_max if bs_max is not None else getattr(backend, "max_batch_size", 1 << 30)
+    # Identical inputs on every rank: a bad configuration fails everywhere, before any wait.
+    m = check_rollout(specs, config, dist.get_world_size(), bs_max)
+    r = _Rank(config, store if store is not None else _default_store())
+    ids = [s.sample_id for s in specs]
+    rt = config.resolve_rt(len(specs)) if config.fused else None
+    kv_ok = backend.capabilities.kv_export and backend.capabilities.kv_import
+    mechanism = "tokens"
+    if config.fused:
+        if config.mechanism != "auto":
+            mechanism = resolve_mode(config.mechanism, kv_ok)
+    shard = [s for s in specs if shard_of(s.sample_id, r.world) == r.rank]
+    backend.submit(shard)
+    t0 = time.perf_counter()
+    stats: dict[str, Any] = {"rank": r.rank, "fused": config.fused, "rt": rt, "m": m}
+    done: list[SampleResult] = []
+    assignment: MigrationAssignment | None = None
+    if not config.fused:
+        while backend.unfinished():
+            done.extend(backend.step())
+        stats["generation_end_s"] = time.perf_counter() - t0
+        r.gather(None, "end-of-generation barrier")
+        stats["inference_start_s"] = time.perf_counter() - t0
+        exps = inference.score(done) if inference is not None else []
+        results = done
+    else:
+        assert rt is not None and m is not None
+        _generate_until_trigger(r, backend, rt, done)
+        stats["trigger_s"] = time.perf_counter() - t0
+        reports = r.gather([(p.sample_id, p.prompt_len, p.generated, p.max_new_tokens)
+                            for p in backend.progress()], "progress reports at the trigger")
+        progress = {i: moving(SampleProgress(*x) for x in rep) for i, rep in enumerate(reports)}
+        assignment = assign_migration(progress, m, bs_max=bs_max,
+                                      kv_capacity_tokens=config.kv_capacity_tokens)
+        if config.mechanism == "auto":
+            mechanism = _auto_mechanism(assignment, progress, backend, config, kv_ok)
+        stats.update(destinations=assignment.destinations, moved=assignment.moved_ids,
+                     mechanism=mechanism)
+        _migrate(r, backend, assignment, mechanism)
+        # An engine may finish a sample between the report and the export (vLLM): it got no
+        # ticket, so this rank must still collect it.
+        if r.rank not in assignment.destinations:
+            while backend.unfinished():
+                done.extend(backend.step())
+        stats["migration_end_s"] = time.perf_counter() - t0
+        results, exps = _stream(r, backend, inference, assignment, done, t0, stats)
+    stats["local_end_s"] = time.perf_counter() - t0
+    gathered = r.gather((results, exps, stats), "the experience batch")
+    all_results = assemble((x for g in gathered for x in g[0]), ids, "results")
+    all_exps = (assemble((x for g in gathered for x in g[1]), ids, "experience batch")
+                if inference is not None else None)
+    if r.rank == 0:
+        for k in list(r._keys):
+            try:
+                r.store.delete_key(k)
+            except Exception:
+                pass  # best effort: the keys are namespaced per run anyway
+    return RolloutOutput(all_results, all_exps, assignment, None,
+                         {"ranks": [g[2] for g in gathered],
+                          "seconds": time.perf_counter() - t0})
+
+
+def _auto_mechanism(plan: MigrationAssignment, progress: dict[int, list[Any]],
+                    backend: GenerationBackend, config: RolloutConfig, kv_ok: bool) -> str:
+    """The planner rule on the heaviest destination: KV transfer vs re-prefill time."""
+    kv_tokens = {s.sample_id: s.kv_tokens for ss in progress.values() for s in ss}
+    tokens_in = max((sum(kv_tokens[i] for ids in plan.incoming(d).values() for i in ids)
+                     for d in plan.destinations), default=0)
+    mode, _ = choose_mechanism(
+        tokens_in, kv_bytes_per_token=float(getattr(backend, "kv_bytes_per_token", 0.0)),
+        bandwidth_bytes_s=config.bandwidth_bytes_s, latency_s=0.0,
+        prefill_s_per_token=config.prefill_s_per_token, kv_supported=kv_ok)
+    return mode
+
+
+def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
+                            done: list[SampleResult]) -> None:
+    store = r.store
+    mine = r.key(f"unfinished/{r.rank}")
+    keys = [r.key(f"unfinished/{i}") for i in range(r.world)]
+    trigger = r.key("trigger")
+    published = len(backend.unfinished())
+    store.set(mine, str(published))
+    r.gather(None, "start of generation")  # every count key exists before anyone reads them
+    steps = 0
+    while True:
+        left = len(backend.unfinished())
+        if left:
+            done.extend(backend.step())
+            steps += 1
+            left = len(backend.unfinished())
+            if steps % r.cfg.report_every and left:
+                continue
+        else:
+            time.sleep(0.001)  # nothing to decode: this instance is idle until the trigger
+        if left != published:
+            store.set(mine, str(left))
+            published = left
+        if store.check([trigger]):
+            return
+        total = sum(int(v) for v in store.multi_get(keys))
+        if should_trigger(total, rt):
+            store.set(trigger, str(r.rank))
+            return
+
+
+def _migrate(r: _Rank, backend: GenerationBackend, plan: MigrationAssignment,
+             mechanism: str) -> None:
+    sends = []
+    mine = plan.moves.get(r.rank, {})
+    for dst, ids in sorted(mine.items()):
+        tickets = backend.export_samples(ids, mode=mechanism)  # type: ignore[arg-type]
+        ints, floats = pack_tickets(tickets)
+        hdr = header(0, len(tickets), ints, floats)
+        for off, t in enumerate((hdr, ints, floats)):
+            if t.numel():
+                sends.append((dist.isend(t, dst, tag=_TAG_TICKETS + off), t))
+    if r.rank in plan.destinations:
+        for src in plan.incoming(r.rank):
+            hdr = torch.zeros(4, dtype=torch.int64)
+            r.wait(dist.irecv(hdr, src, tag=_TAG_TICKETS), "receiving migrated samples",
+                   src, MigrationError)
+            if r.cfg.inject_fault == "kill_destination_during_migration":
+                os._exit(17)
+            _, n, n_int, n_flt = hdr.tolist()
+            ints = torch.zeros(n_int, dtype=torch.int64)
+            floats = torch.zeros(n_flt, dtype=torch.float64)
+            if n_int:
+                r.wait(dist.irecv(ints, src, tag=_TAG_TICKETS + 1), "receiving tickets", src,
+                       MigrationError)
+            if n_flt:
+                r.wait(dist.irecv(floats, src, tag=_TAG_TICKETS + 2), "receiving KV", src,
+                       MigrationError)
+            tickets = unpack_tickets(n, ints, floats)
+            backend.import_samples(tickets)
+            ack = torch.tensor([len(tickets)], dtype=torch.int64)
+            sends.append((dist.isend(ack, src, tag=_TAG_ACK), ack))
+    for dst, ids in sorted(mine.items()):
+        ack = torch.zeros(1, dtype=torch.int64)
+        r.wait(dist.irecv(ack, dst, tag=_TAG_ACK),
+               f"waiting for destination rank {dst} to acknowledge {len(ids)} migrated samples",
+               dst, MigrationError)
+    for work, _ in sends:
+        r.wait(work, "completing a migration send", -1, MigrationError)
+
+
+def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | None,
+            plan: MigrationAssignment, done: list[SampleResult], t0: float,
+            stats: dict[str, Any]) -> tuple[list[SampleResult], list[Experience]]:
+    store = r.store
+    queue_key = r.key("stream")
+    gen_done = r.key("generation_done")
+    micro = inference.micro_batch if inference is not None else 64
+    exps: list[Experience] = []
+    results: list[SampleResult] = []
+
+    def push(samples: Sequence[SampleResult]) -> None:
+        for s in samples:
+            store.queue_push(queue_key, pickle.dumps(s))
+
+    if r.rank in plan.destinations:
+        results.extend(done)
+        push(done)
+        hb = r.key(f"heartbeat/{r.rank}")
+        last_hb = 0.0
+        while backend.unfinished():
+            finished = backend.step()
+            results.extend(finished)
+            push(finished)
+            now = time.perf_counter()
+            if now - last_hb >= r.cfg.heartbeat_s:
+                store.add(hb, 1)
+                last_hb = now
+        store.add(gen_done, 1)
+        stats["generation_end_s"] = time.perf_counter() - t0
+        local: deque[SampleResult] = deque()
+    else:
+        results.extend(done)
+        local = deque(done)
+        stats["generation_end_s"] = stats.get("trigger_s")
+    # Consume: own samples first, then the shared stream, until every destination is done and
+    # the stream is empty.
+    beats = {d: (-1, time.perf_counter()) for d in plan.destinations}
+    first_score = None
+    while True:
+        batch = [local.popleft() for _ in range(min(micro, len(local)))]
+        while len(batch) < micro:
+            try:
+                batch.append(pickle.loads(store.queue_pop(queue_key, False)))
+            except dist.QueueEmptyError:
+                break
+        if batch:
+            if first_score is None:
+                first_score = time.perf_counter() - t0
+            if inference is not None:
+                exps.extend(inference.score(batch))
+            continue
+        if int(store.add(gen_done, 0)) >= len(plan.destinations) and \
+                store.queue_len(queue_key) == 0:
+            break
+        _check_heartbeats(r, plan, beats)
+        time.sleep(0.001)
+    stats["inference_start_s"] = first_score
+    stats["scored"] = len(exps)
+    return results, exps
+
+
+def _check_heartbeats(r: _Rank, plan: MigrationAssignment,
+                      beats: dict[int, tuple[int, float]]) -> None:
+    now = time.perf_counter()
+    for d in plan.destinations:
+        if d == r.rank:
+            continue
+        count = int(r.store.add(r.key(f"heartbeat/{d}"), 0))
+        last, since = beats[d]
+        if count != last:
+            beats[d] = (count, now)
+        elif now - since > r.cfg.timeout_s:
+            raise CoordinatorTimeout(
+                f"rank {r.rank}: generation rank {d} sent no heartbeat for "
+                f"{now - since:.1f}s (timeout {r.cfg.timeout_s:g}s) while rank {r.rank} waited "
+                f"for its streamed samples; rank {d} died or hung"
+            )
+
+
+# -- launching processes ------------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, timeout_s: float,
+           threads: int, args: tuple, q: Any) -> None:
+    os.environ["MASTER_ADDR"] = "127.0.0.1"
+    os.environ["MASTER_PORT"] = str(port)
+    torch.set_num_threads(threads)
+    ok = False
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
+        out = fn(rank, world, *args)
+        q.put((rank, "ok", pickle.dumps(out)))
+        ok = True
+    except BaseException as exc:  # report everything, including KeyboardInterrupt in a child
+        q.put((rank, "error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+    finally:
+        q.close()
+        q.join_thread()
+        if ok:
+            try:
+                dist.destroy_process_group()
+            except Exception:
+                pass
+    # A dead peer can leave gloo threads that block interpreter shutdown: leave at once.
+    os._exit(0 if ok else 1)
+
+
+@dataclass
+class LaunchError(RolloutError):
+    """One or more ranks failed; ``errors`` maps rank to its message."""
+
+    errors: dict[int, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        return "; ".join(f"rank {k}: {v}" for k, v in sorted(self.errors.items()))
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
+           threads_per_rank: int = 1, join_timeout_s: float | None = None) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; their returns.
+
+    ``fn`` must be importable (module level). ``timeout_s`` bounds every collective and
+    point-to-point wait inside. Raises ``LaunchError`` listing every failed rank, including
+    ranks that died without reporting.
+    """
+    import multiprocessing as mp
+    import queue as queue_mod
+
+    ctx = mp.get_context("spawn")
+    q = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_entry, args=(fn, rank, world_size, port, timeout_s,
+                                              threads_per_rank, args, q), daemon=True)
+             for rank in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: dict[int, str] = {}
+    dead_since: dict[int, float] = {}
+    deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
+    while len(results) + len(errors) < world_size:
+        try:
+            item = q.get(timeout=0.2)
+            if item[1] == "ok":
+                results[item[0]] = pickle.loads(item[2])
+            else:
+                errors[item[0]] = item[2] + "\n" + item[3]
+            continue
+        except queue_mod.Empty:
+            pass
+        now = time.monotonic()
+        for rank, p in enumerate(procs):
+            if rank in results or rank in errors or p.is_alive():
+                continue
+            # Give a just-exited rank a moment for its report to arrive before calling it dead.
+            if now - dead_since.setdefault(rank, now) > 2.0:
+                errors[rank] = f"exited with code {p.exitcode} without reporting"
+        if deadline is not None and now > deadline:
+            for rank in range(world_size):
+                if rank not in results and rank not in errors:
+                    errors[rank] = f"still running after {join_timeout_s}s; killed"
+            break
+    for p in procs:
+        p.join(timeout=5)
+        if p.is_alive():
+            p.kill()
+    if errors:
+        raise LaunchError(errors=errors)
+    return [results[i] for i in range(world_size)]
+
+
+# -- a self-contained job on tiny models (tests, benchmarks, examples) ---------------------------
+
+
+@dataclass
+class TinyJob:
+    """Everything a rank needs to build its models and run one or more rollouts.
+
+    Model entries are ``tiny_config`` keyword arguments plus ``"seed"``; every rank builds
+    identical weights from them.
+    """
+
+    specs: list[SampleSpec]
+    configs: list[RolloutConfig]
+    actor: dict = field(default_factory=dict)
+    ref: dict | None = None
+    reward: dict | None = None
+    critic: dict | None = None
+    bs_max: int = 32
+    kv_capacity_tokens: int | None = None
+    micro_batch: int = 8
+    warmup: bool = True
+    return_outputs: bool = True
+
+
+def _cfg(entry: dict) -> tuple[Any, int]:
+    from .models import tiny_config
+
+    kw = dict(entry)
+    seed = int(kw.pop("seed", 0))
+    return tiny_config(**kw), seed
+
+
+def tiny_job_worker(rank: int, world: int, job: TinyJob) -> list[dict[str, Any]]:
+    """Build the backend and the inference models on this rank, run ``job.configs`` in order.
+
+    Returns, per config, the rank's wall time (from a common barrier to the assembled batch)
+    and, on rank 0 with ``return_outputs``, the output.
+    """
+    from .models import build_causal_lm, build_value_model
+    from .reference import ReferenceBackend
+
+    acfg, aseed = _cfg(job.actor)
+    backend = ReferenceBackend(build_causal_lm(acfg, aseed), instance_id=rank,
+                               max_batch_size=job.bs_max,
+                               kv_capacity_tokens=job.kv_capacity_tokens)
+    inference = None
+    if job.ref is not None and job.reward is not None and job.critic is not None:
+        rc, rs = _cfg(job.ref)
+        wc, ws = _cfg(job.reward)
+        cc, cs = _cfg(job.critic)
+        inference = InferenceModels(build_causal_lm(rc, rs), build_value_model(wc, ws),
+                                    build_value_model(cc, cs), micro_batch=job.micro_batch)
+    if job.warmup:  # first-call overheads (allocator, kernels) stay out of the measurements
+        warm = [replace(s, sample_id=i, max_new_tokens=min(s.max_new_tokens, 4))
+                for i, s in enumerate(job.specs[:2])]
+        backend.submit(warm)
+        wres = list(backend.results())
+        if inference is not None:
+            inference.score(wres)
+    out = []
+    for cfg in job.configs:
+        dist.barrier()
+        t = time.perf_counter()
+        res = run_rollout(backend, inference, job.specs, cfg, bs_max=job.bs_max)
+        wall = time.perf_counter() - t
+        out.append({"wall_s": wall, "stats": res.stats,
+                    "output": res if (rank == 0 and job.return_outputs) else None})
+    return out

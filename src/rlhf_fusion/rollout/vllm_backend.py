@@ -1,0 +1,322 @@
+"""GenerationBackend on vLLM's async engine (extra ``vllm``; imported only when used).
+
+One sample is one vLLM request, consumed by its own ``async for`` over ``engine.generate`` on a
+private event loop thread, so ``step`` returns each sample the moment vLLM marks it finished.
+
+Migration is the recompute path: ``export_samples(mode="tokens")`` aborts the request and
+snapshots the tokens and logprobs streamed so far; ``import_samples`` resubmits prompt +
+generated ids with the remaining token budget and a seed derived from (seed, sample, tokens
+generated), so a migration point always continues the same way. Unlike the reference backend
+the continuation is not the unmoved sample's text: vLLM seeds a per-request generator once, and
+its position in that stream cannot be carried over. KV transfer needs an engine with a KV
+connector; it is behind ``kv_transfer`` and off by default.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from .sampling import derive_seed
+from .types import (
+    MIGRATION_MODES,
+    BackendCapabilities,
+    CapabilityError,
+    MigrationMode,
+    MigrationTicket,
+    RolloutConfigError,
+    RolloutError,
+    SampleProgress,
+    SampleResult,
+    SampleSpec,
+)
+
+_INSTALL_HINT = 'the vLLM backend needs vLLM: pip install "rlhf-fusion[vllm]"'
+
+
+def _import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as exc:
+        raise ImportError(_INSTALL_HINT) from exc
+    return vllm
+
+
+class WorkerExtension:
+    """Mixed into vLLM workers (``worker_extension_cls``) so ``update_weights`` can reach them."""
+
+    def rlhf_fusion_load_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
+        self.model_runner.model.load_weights(weights=named_tensors)  # type: ignore[attr-defined]
+
+
+@dataclass
+class _Req:
+    spec: SampleSpec
+    request_id: str
+    prefix_ids: list[int]
+    prefix_lps: list[float]
+    new_ids: list[int] = field(default_factory=list)
+    new_lps: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    removed: bool = False  # aborted or exported: must never be emitted here
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class VLLMBackend:
+    """Streams samples from a vLLM ``AsyncLLMEngine``/``AsyncLLM`` (or anything that quacks so).
+
+    ``engine`` is an already built async engine; otherwise one is built from ``model`` and
+    ``engine_kwargs``. ``sampling_params_cls`` defaults to ``vllm.SamplingParams``.
+    """
+
+    def __init__(
+        self,
+        engine: Any = None,
+        *,
+        model: str | None = None,
+        engine_kwargs: Mapping[str, Any] | None = None,
+        instance_id: int = 0,
+        sampling_params_cls: Any = None,
+        kv_transfer: bool = False,
+        max_batch_size: int = 256,
+        poll_s: float = 0.002,
+    ) -> None:
+        if engine is None:
+            if model is None:
+                raise RolloutConfigError("VLLMBackend needs an engine or a model name/path")
+            vllm = _import_vllm()
+            kwargs = {"worker_extension_cls": f"{__name__}.WorkerExtension",
+                      **dict(engine_kwargs or {})}
+            engine = vllm.AsyncLLMEngine.from_engine_args(
+                vllm.AsyncEngineArgs(model=model, **kwargs))
+        if sampling_params_cls is None:
+            sampling_params_cls = _import_vllm().SamplingParams
+        self.engine = engine
+        self.instance_id = instance_id
+        self.max_batch_size = max_batch_size
+        self._params_cls = sampling_params_cls
+        self.capabilities = BackendCapabilities(
+            kv_export=kv_transfer, kv_import=kv_transfer, streaming=True, exact_migration=False)
+        self._poll_s = poll_s
+        self._reqs: dict[int, _Req] = {}
+        self._lock = threading.Lock()
+        self._ready: dict[int, SampleResult] = {}
+        self._wake = threading.Condition(self._lock)
+        self._ids = itertools.count()
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name=f"vllm-backend-{instance_id}")
+        self._thread.start()
+
+    # -- plumbing -----------------------------------------------------------------------------
+    def _call(self, fn: Any, *args: Any, timeout: float | None = 60.0, **kwargs: Any) -> Any:
+        """Call an engine method on the loop thread (the engine is not thread-safe); sync or
+        async methods alike."""
+        async def run() -> Any:
+            out = fn(*args, **kwargs)
+            return await out if asyncio.iscoroutine(out) or asyncio.isfuture(out) else out
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout)
+
+    def close(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+
+    def _params(self, spec: SampleSpec, generated: int) -> Any:
+        return self._params_cls(
+            n=1,
+            max_tokens=spec.max_new_tokens - generated,
+            temperature=spec.temperature,
+            seed=derive_seed(spec.seed, spec.sample_id, generated),
+            stop_token_ids=list(spec.stop_token_ids),
+            ignore_eos=True,  # stopping is the spec's stop_token_ids, as in every backend
+            logprobs=0,
+        )
+
+    async def _consume(self, req: _Req, prompt: dict[str, Any], params: Any) -> None:
+        try:
+            async for out in self.engine.generate(prompt, params, request_id=req.request_id):
+                comp = out.outputs[0]
+                ids = list(comp.token_ids)
+                lps = [float(d[t].logprob) if hasattr(d[t], "logprob") else float(d[t])
+                       for d, t in zip(comp.logprobs or [], ids, strict=False)]
+                with self._lock:
+                    req.new_ids, req.new_lps = ids, lps
+                    if out.finished:
+                        req.finish_reason = "stop" if comp.finish_reason == "stop" else "length"
+                        if not req.removed:
+                            self._ready[req.spec.sample_id] = self._result(req)
+                        self._wake.notify_all()
+                if out.finished:
+                    break
+        except asyncio.CancelledError:
+            pass  # an abort may surface as cancellation of the stream
+        except Exception as exc:
+            with self._lock:
+                req.error = exc
+                self._wake.notify_all()
+        finally:
+            req.done.set()
+
+    def _result(self, req: _Req) -> SampleResult:
+        return SampleResult(
+            sample_id=req.spec.sample_id, prompt_ids=req.spec.prompt_ids,
+            token_ids=tuple(req.prefix_ids + req.new_ids),
+            logprobs=tuple(req.prefix_lps + req.new_lps),
+            finish_reason=req.finish_reason or "length", instance=self.instance_id,
+            migrated=bool(req.prefix_ids),
+        )
+
+    def _start(self, spec: SampleSpec) -> None:
+        if spec.sample_id in self._reqs:
+            raise RolloutError(f"instance {self.instance_id}: sample {spec.sample_id} is already "
+                               "here; submit each sample once")
+        g = len(spec.generated_ids)
+        req = _Req(spec=spec.without_kv(),
+                   request_id=f"rf-{self.instance_id}-{spec.sample_id}-{next(self._ids)}",
+                   prefix_ids=list(spec.generated_ids), prefix_lps=list(spec.logprobs))
+        self._reqs[spec.sample_id] = req
+        prompt = {"prompt_token_ids": list(spec.prompt_ids) + list(spec.generated_ids)}
+        asyncio.run_coroutine_threadsafe(self._consume(req, prompt, self._params(spec, g)),
+                                         self._loop)
+
+    # -- GenerationBackend --------------------------------------------------------------------
+    def submit(self, specs: Sequence[SampleSpec]) -> None:
+        for s in specs:
+            if s.kv is not None:
+                raise CapabilityError("VLLMBackend takes no KV handles; use import_samples "
+                                      "with mode='tokens' tickets")
+            self._start(s)
+
+    def import_samples(self, tickets: Sequence[MigrationTicket]) -> None:
+        for t in tickets:
+            if t.spec.kv is not None and not self.capabilities.kv_import:
+                raise CapabilityError(
+                    f"sample {t.sample_id}: a KV ticket, but this vLLM backend was built "
+                    "without kv_transfer; export with mode='tokens' (the recompute path)")
+        for t in tickets:
+            self._start(t.spec.without_kv())
+
+    def _raise_errors(self) -> None:
+        for req in self._reqs.values():
+            if req.error is not None:
+                raise RolloutError(f"instance {self.instance_id}: request {req.request_id} "
+                                   f"failed in the engine: {req.error!r}") from req.error
+
+    def step(self) -> list[SampleResult]:
+        with self._lock:
+            if not self._ready and any(not r.done.is_set() for r in self._reqs.values()):
+                self._wake.wait(self._poll_s)
+            ready = [self._ready.pop(k) for k in sorted(self._ready)]
+        self._raise_errors()
+        for r in ready:
+            self._reqs.pop(r.sample_id, None)
+        return ready
+
+    def results(self) -> Iterator[SampleResult]:
+        while self._reqs:
+            yield from self.step()
+
+    def unfinished(self) -> list[int]:
+        # Includes samples vLLM finished whose result step() has not returned yet.
+        return sorted(self._reqs)
+
+    def progress(self) -> list[SampleProgress]:
+        with self._lock:
+            return [SampleProgress(sid, len(r.spec.prompt_ids),
+                                   len(r.prefix_ids) + len(r.new_ids), r.spec.max_new_tokens)
+                    for sid, r in sorted(self._reqs.items())]
+
+    def _stop(self, sids: Iterable[int]) -> list[_Req]:
+        """Abort requests and wait until their streams ended; returns those still unemitted."""
+        reqs = []
+        for sid in sids:
+            req = self._reqs.get(int(sid))
+            if req is not None:
+                reqs.append(req)
+        for req in reqs:
+            self._call(self.engine.abort, req.request_id)
+        for req in reqs:
+            if not req.done.wait(60):
+                raise RolloutError(f"instance {self.instance_id}: request {req.request_id} "
+                                   "did not stop within 60 s of its abort")
+        return reqs
+
+    def abort(self, ids: Iterable[int]) -> None:
+        reqs = self._stop(ids)
+        with self._lock:
+            for req in reqs:
+                req.removed = True
+                self._ready.pop(req.spec.sample_id, None)
+                self._reqs.pop(req.spec.sample_id, None)
+
+    def export_samples(self, ids: Iterable[int], mode: MigrationMode = "tokens"
+                       ) -> list[MigrationTicket]:
+        if mode not in MIGRATION_MODES:
+            raise RolloutConfigError(f"mode={mode!r}; use one of {MIGRATION_MODES}")
+        if mode == "kv" and not self.capabilities.kv_export:
+            raise CapabilityError(
+                "this vLLM backend was built without kv_transfer, so it cannot export KV; "
+                "use mode='tokens' (abort + resubmit with the generated ids)")
+        reqs = self._stop(ids)
+        tickets = []
+        with self._lock:
+            for req in reqs:
+                sid = req.spec.sample_id
+                if req.finish_reason is not None:
+                    continue  # vLLM finished it before the abort landed: it is emitted here
+                gen = req.prefix_ids + req.new_ids
+                if len(gen) >= req.spec.max_new_tokens:
+                    # Every token is out but the final flag was lost to the abort: it is done.
+                    req.finish_reason = "length"
+                    self._ready[sid] = self._result(req)
+                    continue
+                req.removed = True
+                self._reqs.pop(sid, None)
+                spec = SampleSpec(
+                    sample_id=sid, prompt_ids=req.spec.prompt_ids,
+                    max_new_tokens=req.spec.max_new_tokens, seed=req.spec.seed,
+                    temperature=req.spec.temperature, stop_token_ids=req.spec.stop_token_ids,
+                    generated_ids=tuple(gen), logprobs=tuple(req.prefix_lps + req.new_lps))
+                tickets.append(MigrationTicket(spec=spec, mode="tokens",
+                                               source=self.instance_id))
+        return tickets
+
+    def update_weights(self, weights: Mapping[str, Any] | Iterable[Any]) -> None:
+        if self._reqs:
+            raise RolloutError(f"instance {self.instance_id}: update_weights with "
+                               f"{len(self._reqs)} unfinished samples; finish, abort or export "
+                               "them first")
+        rpc = getattr(self.engine, "collective_rpc", None)
+        if rpc is None:
+            raise CapabilityError("this vLLM engine has no collective_rpc; upgrade vLLM "
+                                  "(>= 0.8) to update weights in place")
+        named = list(weights.items() if isinstance(weights, Mapping) else weights)
+        self._call(rpc, "rlhf_fusion_load_weights", args=(named,), timeout=600)
+
+    def sleep(self) -> None:
+        if self._reqs:
+            raise RolloutError(f"instance {self.instance_id}: sleep with {len(self._reqs)} "
+                               "unfinished samples would lose them; finish, abort or export "
+                               "them first")
+        if not hasattr(self.engine, "sleep"):
+            raise CapabilityError("this vLLM engine cannot sleep; build it with "
+                                  "enable_sleep_mode=True")
+        self._call(self.engine.sleep, 1)
+
+    def wake_up(self) -> None:
+        if not hasattr(self.engine, "wake_up"):
+            raise CapabilityError("this vLLM engine cannot wake_up; build it with "
+                                  "enable_sleep_mode=True")
+        self._call(self.engine.wake_up)
+
+    def wait_idle(self, timeout: float = 60.0) -> None:
+        """Block until every running request has ended (for tests and shutdown)."""
+        deadline = time.monotonic() + timeout
+        for req in list(self._reqs.values()):
+            req.done.wait(max(0.0, deadline - time.monotonic()))
