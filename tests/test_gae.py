@@ -156,7 +156,9 @@ def test_semantics_differ_on_holes_and_agree_without_mask():
 @pytest.mark.parametrize("semantics", ["zero", "skip"])
 @pytest.mark.parametrize("kind", MASK_KINDS)
 @pytest.mark.parametrize(
-    "shape", [(3, 1), (1, 2), (3, 127), (2, 64), (5, 2049), (2, 4100)], ids=lambda s: f"{s[0]}x{s[1]}"
+    "shape",
+    [(3, 1), (1, 2), (3, 127), (2, 64), (5, 2049), (2, 4100)],
+    ids=lambda s: f"{s[0]}x{s[1]}",
 )
 def test_torch_matches_loop(shape, kind, semantics):
     bsz, steps = shape
