@@ -22,8 +22,13 @@ from rlhf_fusion.runtime.partition import (  # noqa: E402
 
 def _llama(layers=4, tie=False):
     cfg = transformers.LlamaConfig(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
         tie_word_embeddings=tie,
     )
     return cfg
@@ -31,16 +36,27 @@ def _llama(layers=4, tie=False):
 
 def _qwen2(layers=4):
     return transformers.Qwen2Config(
-        vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
         tie_word_embeddings=True,
     )
 
 
 def _gpt2(layers=4):
     return transformers.GPT2Config(
-        vocab_size=96, n_embd=32, n_layer=layers, n_head=4, n_positions=64,
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        vocab_size=96,
+        n_embd=32,
+        n_layer=layers,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
     )
 
 
@@ -65,14 +81,18 @@ def _critic(cfg):
 def _full_out(model, role, mb):
     if role == "actor":
         return model(
-            input_ids=mb["input_ids"], attention_mask=mb["attention_mask"],
-            position_ids=mb["position_ids"], use_cache=False,
+            input_ids=mb["input_ids"],
+            attention_mask=mb["attention_mask"],
+            position_ids=mb["position_ids"],
+            use_cache=False,
         ).logits
     return model(mb["input_ids"], mb["attention_mask"], mb["position_ids"])
 
 
 def _chain(model, role, num_stages, layers, mb):
-    stages = [partition_(copy.deepcopy(model), role, s, num_stages, layers) for s in range(num_stages)]
+    stages = [
+        partition_(copy.deepcopy(model), role, s, num_stages, layers) for s in range(num_stages)
+    ]
     h, ins, outs = None, [], []
     for st in stages:
         if h is not None:
@@ -127,7 +147,9 @@ def test_chained_stages_match_full_model(make_cfg, role, num_stages, layers):
     # runtime sums their gradients, so do the same here.
     if stages[0].tied:
         emb_name = next(n for n, p in stages[0].named_parameters() if p is stages[0].tied_weight())
-        head_name = next(n for n, p in stages[-1].named_parameters() if p is stages[-1].tied_weight())
+        head_name = next(
+            n for n, p in stages[-1].named_parameters() if p is stages[-1].tied_weight()
+        )
         total = stages[0].tied_weight().grad + stages[-1].tied_weight().grad
         got[emb_name] = total
         got.pop(head_name, None)
@@ -143,7 +165,9 @@ def test_each_stage_keeps_only_its_parameters_under_original_names():
     st = partition_(copy.deepcopy(model), "actor", 1, 2)
     names = [n for n, _ in st.named_parameters()]
     assert names and all(n in full for n in names)
-    assert all(n.startswith(("model.layers.2.", "model.layers.3.", "model.norm", "lm_head")) for n in names)
+    assert all(
+        n.startswith(("model.layers.2.", "model.layers.3.", "model.norm", "lm_head")) for n in names
+    )
     assert "model.embed_tokens.weight" not in names
     assert isinstance(st.module.model.layers[0], Dropped)
     first = partition_(copy.deepcopy(model), "actor", 0, 2)

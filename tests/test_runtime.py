@@ -31,12 +31,21 @@ CASES_2 = [
     # GPT-2 ties the embedding and LM head across stage 0 and stage 1; 1F1B concatenated.
     Case(
         "gpt2(tied)+llama S2/S2 M4 c1f1b",
-        {"actor": ("gpt2", 3), "critic": ("llama", 2)}, 2, 2, 2, 4, solver="concatenated_1f1b",
+        {"actor": ("gpt2", 3), "critic": ("llama", 2)},
+        2,
+        2,
+        2,
+        4,
+        solver="concatenated_1f1b",
     ),
     # KL in the loss instead of the reward; tied Qwen2 actor; GPT-2 critic.
     Case(
         "qwen2(tied)+gpt2 S2/S2 M8 kl-loss",
-        {"actor": ("qwen2", 3, 32, True), "critic": ("gpt2", 2)}, 2, 2, 2, 8,
+        {"actor": ("qwen2", 3, 32, True), "critic": ("gpt2", 2)},
+        2,
+        2,
+        2,
+        8,
         ppo={"kl_mode": "loss", "kl_coef": 0.1},
     ),
 ]
@@ -47,14 +56,25 @@ CASES_4 = [
     # Both 4 stages, uneven layer split of a 5-layer tied actor.
     Case(
         "qwen2(tied)5+gpt2 S4/S4 M4",
-        {"actor": ("qwen2", 5, 32, True), "critic": ("gpt2", 4)}, 4, 4, 4, 4,
+        {"actor": ("qwen2", 5, 32, True), "critic": ("gpt2", 4)},
+        4,
+        4,
+        4,
+        4,
     ),
     # Actor with two copies, critic over all four groups.
-    Case("llama+llama S2xK2/S4 M8", {"actor": ("llama", 2), "critic": ("llama", 4, 48)}, 4, 2, 4, 8),
+    Case(
+        "llama+llama S2xK2/S4 M8", {"actor": ("llama", 2), "critic": ("llama", 4, 48)}, 4, 2, 4, 8
+    ),
     # Two data-parallel replicas of a 2-group fused pipeline (world = 2 x 2).
     Case(
         "dp2 x (llama S2 + qwen2 S1xK2) M4",
-        {"actor": ("llama", 2), "critic": ("qwen2", 2)}, 2, 2, 1, 4, replicas=2,
+        {"actor": ("llama", 2), "critic": ("qwen2", 2)},
+        2,
+        2,
+        1,
+        4,
+        replicas=2,
     ),
 ]
 
@@ -86,8 +106,12 @@ def _check(case: Case, index: int, results) -> None:
     # Logged losses are the reduced (mean over all micro-batches) values of the reference.
     for step, (r, p) in enumerate(zip(ref["stats"], results[0].value[index]["stats"], strict=True)):
         for model in ("actor", "critic"):
-            assert p["stats"][model]["loss"] == pytest.approx(r["stats"][model]["loss"], rel=1e-5), (
-                case.name, step, model,
+            assert p["stats"][model]["loss"] == pytest.approx(
+                r["stats"][model]["loss"], rel=1e-5
+            ), (
+                case.name,
+                step,
+                model,
             )
             assert p["grad_norm"][model] == pytest.approx(r["grad_norm"][model], rel=1e-5)
     return identical

@@ -1,1 +1,21 @@
+"""Lightning plugins: ``FusedPipelineStrategy`` and the PPO LightningModule contract.
 
+Importing this package registers the strategy with Lightning as ``strategy="fused_pipeline"``.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from .fused_pipeline import FusedPipelineStrategy, consolidate_checkpoint
+from .launcher import FusedPipelineLauncher
+from .module import FusedPPOModule, log_ppo_stats
+
+if "fused_pipeline" not in StrategyRegistry:
+    FusedPipelineStrategy.register_strategies(StrategyRegistry)
+
+__all__ = [
+    "FusedPPOModule",
+    "consolidate_checkpoint",
+    "FusedPipelineLauncher",
+    "FusedPipelineStrategy",
+    "log_ppo_stats",
+]

@@ -157,7 +157,9 @@ class PipelineComm:
         max_pending_sends: int = 16,
     ):
         if not dist.is_initialized():
-            raise RuntimeError("torch.distributed is not initialised; call init_process_group first")
+            raise RuntimeError(
+                "torch.distributed is not initialised; call init_process_group first"
+            )
         self.plan = plan
         self.rank = dist.get_rank() if rank is None else rank
         if dist.get_world_size() != plan.world_size:

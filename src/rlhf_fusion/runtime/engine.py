@@ -252,7 +252,7 @@ class PipelineEngine:
             self.last_trace = tr
         return tr
 
-    # -- after the stream: gradients, norms, stats --------------------------------------------------
+    # -- after the stream: gradients, norms, stats ------------------------------------------------
     def _stage(self, model: str) -> PipelineStage | None:
         runner = self.runners[model]
         return getattr(runner, "stage", None)
@@ -271,15 +271,13 @@ class PipelineEngine:
             tied = stage.tied_weight()
             group = self.comm.stage_groups[(name, res.stage)]
             if group is not None:
-                grads = [
-                    p.grad for p in stage.parameters() if p.grad is not None and p is not tied
-                ]
+                grads = [p.grad for p in stage.parameters() if p.grad is not None and p is not tied]
                 if grads:
                     flat = _flatten_dense_tensors(grads)
                     self.comm.all_reduce(
                         flat, group, f"all-reducing {name} stage {res.stage} gradients"
                     )
-                    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads)):
+                    for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
                         g.copy_(synced)
             tgroup = self.comm.tied_groups[name]
             if tgroup is not None and (res.stage == 0 or res.stage == res.num_stages - 1):

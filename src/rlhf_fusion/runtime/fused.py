@@ -98,7 +98,9 @@ def check_models_against_problem(
         except ValueError as exc:
             raise PlanError(f"schedule: {spec.name}: {exc}") from None
     if problem.models[names.index("actor")].direction != "forward":
-        raise PlanError("schedule: the actor must run in the 'forward' direction (stage s on group s)")
+        raise PlanError(
+            "schedule: the actor must run in the 'forward' direction (stage s on group s)"
+        )
 
 
 @dataclass
@@ -155,9 +157,7 @@ def setup_rank(
     stages: dict[str, PipelineStage] = {}
     runners = {}
     for name, res in plan.residents(comm.rank).items():
-        stage = partition_(
-            models[name], name, res.stage, res.num_stages, (layers or {}).get(name)
-        )
+        stage = partition_(models[name], name, res.stage, res.num_stages, (layers or {}).get(name))
         stage.module.to(device)
         stages[name] = stage
         runners[name] = TrainStageRunner(stage, loss_fns[name] if stage.is_last else None)
@@ -184,7 +184,12 @@ def pipelined_step(
             optimizers[name].step()
             optimizers[name].zero_grad(set_to_none=True)
     stats = rank.engine.reduced_stats()
-    return {"stats": stats, "grad_norm": norms, "schedule_s": t1 - t0, "step_s": time.perf_counter() - t0}
+    return {
+        "stats": stats,
+        "grad_norm": norms,
+        "schedule_s": t1 - t0,
+        "step_s": time.perf_counter() - t0,
+    }
 
 
 def model_outputs(role: str, model: nn.Module, mb: Mapping[str, Tensor]) -> Tensor:
@@ -230,7 +235,9 @@ def reference_step(
     return {"stats": stats, "grad_norm": norms}
 
 
-def canonical_state_dict(rank: FusedRank, prefix: dict[str, str] | None = None) -> dict[str, Tensor]:
+def canonical_state_dict(
+    rank: FusedRank, prefix: dict[str, str] | None = None
+) -> dict[str, Tensor]:
     """This rank's share of the full state dict: the stages it holds as replica 0 / copy 0."""
     out: dict[str, Tensor] = {}
     for name, stage in rank.stages.items():

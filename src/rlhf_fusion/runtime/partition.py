@@ -294,7 +294,12 @@ class PipelineStage:
         )
         for i in self.layers:
             hidden = base.h[i](
-                hidden, None, mask, None, encoder_attention_mask=None, use_cache=False,
+                hidden,
+                None,
+                mask,
+                None,
+                encoder_attention_mask=None,
+                use_cache=False,
                 position_ids=pos,
             )
         if self.is_last:

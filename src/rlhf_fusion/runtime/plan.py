@@ -91,7 +91,9 @@ class PipelinePlan:
     def tied_ranks(self, model_idx: int) -> list[int]:
         """Ranks holding the first or the last stage of a model (for tied embeddings)."""
         m = self.problem.models[model_idx]
-        return sorted(set(self.stage_ranks(model_idx, 0)) | set(self.stage_ranks(model_idx, m.S - 1)))
+        return sorted(
+            set(self.stage_ranks(model_idx, 0)) | set(self.stage_ranks(model_idx, m.S - 1))
+        )
 
     def is_canonical(self, rank: int, model: str) -> bool:
         """Whether this rank's copy of its stage of ``model`` is the one that counts once

@@ -41,7 +41,9 @@ class PPOConfig:
 
     def __post_init__(self) -> None:
         if self.kl_mode not in ("reward", "loss"):
-            raise ValueError(f"ppo_config.kl_mode: must be 'reward' or 'loss', got {self.kl_mode!r}")
+            raise ValueError(
+                f"ppo_config.kl_mode: must be 'reward' or 'loss', got {self.kl_mode!r}"
+            )
         if self.kl_estimator not in ("k1", "k2", "k3"):
             raise ValueError(
                 f"ppo_config.kl_estimator: must be 'k1', 'k2' or 'k3', got {self.kl_estimator!r}"
@@ -115,7 +117,9 @@ def policy_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped PPO surrogate, token mean over the actions of the micro-batch."""
     ratio = torch.exp(logprobs - old_logprobs)
-    surr = torch.minimum(ratio * advantages, ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages)
+    surr = torch.minimum(
+        ratio * advantages, ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages
+    )
     per_token = -surr
     stats: dict[str, Tensor] = {}
     if kl_mode == "loss" and kl_coef != 0.0:

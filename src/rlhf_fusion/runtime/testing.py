@@ -35,14 +35,25 @@ def tiny_config(family: str, layers: int, hidden: int = 32, *, tie: bool | None 
 
     if family == "gpt2":
         return transformers.GPT2Config(
-            vocab_size=VOCAB, n_embd=hidden, n_layer=layers, n_head=4, n_positions=128,
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+            vocab_size=VOCAB,
+            n_embd=hidden,
+            n_layer=layers,
+            n_head=4,
+            n_positions=128,
+            resid_pdrop=0.0,
+            embd_pdrop=0.0,
+            attn_pdrop=0.0,
         )
     cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
     return cls(
-        vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
-        max_position_embeddings=128, tie_word_embeddings=bool(tie),
+        vocab_size=VOCAB,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=bool(tie),
     )
 
 
@@ -163,7 +174,9 @@ def run_reference(case: Case, models: Mapping[str, nn.Module] | None = None) -> 
     for batch in case.batches():
         mbs = split_micro_batches(batch, case.micro_batches * case.replicas)
         stats.append(
-            reference_step(models, mbs, opts, default_loss_fns(cfg), max_grad_norm=cfg.max_grad_norm)
+            reference_step(
+                models, mbs, opts, default_loss_fns(cfg), max_grad_norm=cfg.max_grad_norm
+            )
         )
     state = {}
     for name, m in models.items():
@@ -267,5 +280,9 @@ def fault_worker(rank: int, world: int, mode: str, victim: int, timeout: float) 
         fr.engine.sync_gradients()
         fr.engine.reduced_stats()
     except PipelineError as exc:
-        return {"error_type": type(exc).__name__, "message": str(exc), "elapsed": time.perf_counter() - t0}
+        return {
+            "error_type": type(exc).__name__,
+            "message": str(exc),
+            "elapsed": time.perf_counter() - t0,
+        }
     return {"error_type": None, "elapsed": time.perf_counter() - t0, "message": ""}

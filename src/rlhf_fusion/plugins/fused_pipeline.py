@@ -1,0 +1,728 @@
+"""``FusedPipelineStrategy``: train a PPO Actor and Critic with one fused bidirectional pipeline.
+
+A sibling of Lightning's ``DDPStrategy``. With ``world = dp * N`` processes, every group of N
+consecutive ranks runs one replica of the fused pipeline: Actor stage s on rank s, Critic stage
+s on rank N-1-s (or on the planner's placement when a model has several copies). The strategy
+
+* checks, in the launching process, that the models and the schedule fit together;
+* partitions the module's ``actor`` and ``critic`` in place (parameters keep their names);
+* owns micro-batching, the schedule, every backward and both optimizer steps (manual
+  optimization), gradient accumulation and clipping;
+* gets the schedule from a file or from the planner fed with a short profiling pass;
+* returns data-parallel coordinates (replica index / count) for samplers;
+* logs losses reduced over all micro-batches and replicas;
+* saves gathered (one file, the unpipelined layout) or sharded (one file per model stage)
+  checkpoints and loads either back.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from collections.abc import Mapping, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.optimizer import _optimizers_to_device
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+
+from ..runtime.checkpoint import (
+    aliases,
+    local_optimizer_state,
+    merge_named_states,
+    named_optimizer_state,
+    param_names,
+)
+from ..runtime.comm import PipelineComm
+from ..runtime.engine import PipelineEngine, TrainStageRunner
+from ..runtime.errors import PlanError
+from ..runtime.fused import check_models_against_problem, fused_problem
+from ..runtime.microbatch import split_micro_batches
+from ..runtime.partition import PipelineStage, partition_
+from ..runtime.plan import PipelinePlan
+from ..runtime.profile import problem_from_profiles, profile_runner
+from ..schedule import Problem, Schedule, solve
+from .launcher import FusedPipelineLauncher
+from .module import ROLES, log_ppo_stats
+
+log = logging.getLogger(__name__)
+
+CheckpointMode = Literal["auto", "gathered", "sharded"]
+_SHARD_META = "meta.pt"
+
+
+class FusedPipelineStrategy(ParallelStrategy):
+    """Fused bidirectional pipeline training of a PPO Actor and Critic.
+
+    Args:
+        stage_groups: N, the ranks one pipeline replica spans (default: all processes; the
+            processes must be a multiple of N, the quotient is the data-parallel degree).
+        actor_stages / critic_stages: pipeline stages per model (default N; a model with
+            S < N stages runs N/S copies inside the pipeline).
+        micro_batches: micro-batches per replica per step (default: the module's
+            ``ppo_config.micro_batches``).
+        actor_layers / critic_layers: decoder layers per stage (default: an even split).
+        schedule: a schedule file (``Schedule.save``) or object to run instead of planning.
+        solver / solver_time_limit: planner used on the profiled times.
+        profile_repeats: timed forward+backward rounds per stage in the profiling pass.
+        schedule_out: where rank 0 writes the schedule it ran (reuse it with ``schedule=``).
+        timeout: seconds any wait (activation, gradient, collective) may take before the rank
+            raises an error naming what it waited for.
+        checkpoint: ``"gathered"`` (one file, the unpipelined layout), ``"sharded"`` (a
+            directory with a file per model stage) or ``"auto"`` (gathered up to
+            ``gathered_max_params`` parameters).
+    """
+
+    strategy_name = "fused_pipeline"
+
+    def __init__(
+        self,
+        stage_groups: int | None = None,
+        *,
+        actor_stages: int | None = None,
+        critic_stages: int | None = None,
+        micro_batches: int | None = None,
+        actor_layers: Sequence[int] | None = None,
+        critic_layers: Sequence[int] | None = None,
+        schedule: str | os.PathLike | Schedule | None = None,
+        solver: str = "greedy",
+        solver_time_limit: float = 10.0,
+        profile_repeats: int = 2,
+        schedule_out: str | os.PathLike | None = None,
+        timeout: float = 300.0,
+        checkpoint: CheckpointMode = "auto",
+        gathered_max_params: int = 2_000_000_000,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if checkpoint not in ("auto", "gathered", "sharded"):
+            raise ValueError(
+                f"checkpoint: must be 'auto', 'gathered' or 'sharded', got {checkpoint!r}"
+            )
+        if timeout <= 0:
+            raise ValueError(f"timeout: must be > 0 seconds, got {timeout}")
+        self._num_nodes = 1
+        self._stage_groups = stage_groups
+        self._actor_stages = actor_stages
+        self._critic_stages = critic_stages
+        self._micro_batches = micro_batches
+        self._layers: dict[str, Sequence[int] | None] = {
+            "actor": actor_layers,
+            "critic": critic_layers,
+        }
+        # A schedule file is loaded (and re-validated) here, in the launching process.
+        self._schedule: Schedule | None = (
+            Schedule.load(schedule) if isinstance(schedule, (str, os.PathLike)) else schedule
+        )
+        self._solver = solver
+        self._solver_time_limit = solver_time_limit
+        self._profile_repeats = profile_repeats
+        self._schedule_out = schedule_out
+        self._timeout = float(timeout)
+        self._checkpoint_mode: CheckpointMode = checkpoint
+        self._gathered_max_params = gathered_max_params
+        self._process_group_backend = process_group_backend
+        self._start_method = start_method
+        # Set in setup():
+        self._structure: Problem | None = None
+        self._replicas = 1
+        self._stages: dict[str, PipelineStage] = {}
+        self._runners: dict[str, TrainStageRunner] = {}
+        self._engine: PipelineEngine | None = None
+        self._plan: PipelinePlan | None = None
+        self._full_param_names: list[str] = []
+        self._full_state_keys: list[str] = []
+        self._aliases: dict[str, str] = {}
+        self._num_params = 0
+        self._model_sizes: dict[str, float] = {}
+        self._layout_plan: PipelinePlan | None = None
+        self._accumulated = 0
+
+    # -- Lightning plumbing (as in DDPStrategy) ----------------------------------------------------
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def is_distributed(self) -> bool:
+        """True only with data-parallel replicas.
+
+        Lightning injects a (shuffling) DistributedSampler when this is True. Ranks of one
+        pipeline replica must read the same batches, and with a single replica the user's own
+        sampler is kept, so the batches equal those of a single-device run.
+        """
+        world = self.num_nodes * self.num_processes
+        return world // self._resolved_stage_groups() > 1
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        # Checkpoints are loaded into the partitioned module, so setup() must run first.
+        return True
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Data-parallel coordinates: every rank of a pipeline replica reads the same data."""
+        n = self._resolved_stage_groups()
+        world = self.num_nodes * self.num_processes
+        return {"num_replicas": max(1, world // n), "rank": self.global_rank // n}
+
+    @property
+    def schedule(self) -> Schedule | None:
+        """The schedule being run (after the first training step when it is planned)."""
+        return self._plan.schedule if self._plan is not None else self._schedule
+
+    @property
+    def plan(self) -> PipelinePlan | None:
+        return self._plan
+
+    def _configure_launcher(self) -> None:
+        self._launcher = FusedPipelineLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self._setup_distributed()
+
+    def _setup_distributed(self) -> None:
+        reset_seed()
+        self._set_world_ranks()
+        self._process_group_backend = (
+            self._process_group_backend
+            or _get_default_process_group_backend_for_device(self.root_device)
+        )
+        assert self.cluster_environment is not None
+        _init_dist_connection(
+            self.cluster_environment,
+            self._process_group_backend,
+            timeout=timedelta(seconds=max(self._timeout, 60.0)),
+        )
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(
+                self.node_rank * self.num_processes + self.local_rank
+            )
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # -- layout and pre-flight checks --------------------------------------------------------------
+    def _resolved_stage_groups(self) -> int:
+        if self._stage_groups is not None:
+            return self._stage_groups
+        if self._schedule is not None:
+            return self._schedule.problem.stage_groups
+        return max(1, self.num_nodes * self.num_processes)
+
+    def _layout(self, module: pl.LightningModule) -> tuple[Problem, int]:
+        """The problem structure (stages, copies, micro-batches) and the replica count.
+
+        Raises :class:`PlanError` naming the mismatch; called in the launching process before
+        any worker starts, and again in every worker.
+        """
+        for role in ROLES:
+            if not hasattr(module, role):
+                raise PlanError(
+                    f"{type(module).__name__} has no .{role}; FusedPipelineStrategy needs a "
+                    "module with .actor and .critic (see rlhf_fusion.plugins.FusedPPOModule)"
+                )
+        if module.automatic_optimization:
+            raise PlanError(
+                f"{type(module).__name__}: set self.automatic_optimization = False; the "
+                "strategy performs the backward passes and optimizer steps itself"
+            )
+        world = self.num_nodes * self.num_processes
+        n = self._resolved_stage_groups()
+        if world < 1 or world % n:
+            raise PlanError(
+                f"stage_groups: {n} does not divide the {world} processes; use devices = a "
+                f"multiple of {n} (the rest become data-parallel replicas)"
+            )
+        cfg = getattr(module, "ppo_config", None)
+        g = self._micro_batches or (cfg.micro_batches if cfg is not None else None)
+        if g is None:
+            raise PlanError("micro_batches: pass it to the strategy or set module.ppo_config")
+        if self._schedule is not None:
+            problem = self._schedule.problem
+            if problem.stage_groups != n:
+                raise PlanError(
+                    f"schedule: plans {problem.stage_groups} stage groups but the strategy uses "
+                    f"{n}; re-plan for {n} groups or set stage_groups={problem.stage_groups}"
+                )
+            for spec in problem.models:
+                want = {"actor": self._actor_stages, "critic": self._critic_stages}.get(spec.name)
+                if want is not None and want != spec.pipeline_stages:
+                    raise PlanError(
+                        f"schedule: {spec.name} has {spec.pipeline_stages} stages but "
+                        f"{spec.name}_stages={want}; drop the argument or re-plan"
+                    )
+            totals = {m.copies * m.micro_batches for m in problem.models}
+            if totals != {g}:
+                raise PlanError(
+                    f"schedule: processes {sorted(totals)} micro-batches per step but "
+                    f"micro_batches is {g}; re-plan or set micro_batches={min(totals)}"
+                )
+        else:
+            problem = fused_problem(
+                stage_groups=n,
+                micro_batches=g,
+                actor_stages=self._actor_stages or n,
+                critic_stages=self._critic_stages or n,
+            )
+        check_models_against_problem(
+            problem, {"actor": module.actor, "critic": module.critic}, self._layers
+        )
+        return problem, world // n
+
+    def preflight(self, module: pl.LightningModule) -> None:
+        """Validate the module against the layout; raises before any process is started."""
+        problem, replicas = self._layout(module)
+        rank_zero_info(
+            f"FusedPipelineStrategy: {replicas} replica(s) x {problem.stage_groups} stage groups; "
+            + ", ".join(
+                f"{m.name}: {m.pipeline_stages} stages x {m.copies} copies, "
+                f"{m.micro_batches} micro-batches"
+                for m in problem.models
+            )
+        )
+
+    # -- setup / teardown --------------------------------------------------------------------------
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            if trainer.accumulate_grad_batches != 1:
+                raise MisconfigurationException(
+                    "FusedPipelineStrategy accumulates gradients itself: set "
+                    "ppo_config.accumulate_batches instead of Trainer(accumulate_grad_batches)"
+                )
+            self._partition(module)
+        self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if fitting:
+            self.setup_optimizers(trainer)
+            if len(self.optimizers) != 2:
+                raise MisconfigurationException(
+                    f"configure_optimizers returned {len(self.optimizers)} optimizers; the "
+                    "FusedPipelineStrategy needs two: the Actor's, then the Critic's"
+                )
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _partition(self, module: pl.LightningModule) -> None:
+        problem, replicas = self._layout(module)
+        self._structure, self._replicas = problem, replicas
+        # Names of the unpartitioned module: checkpoints are written in this layout.
+        self._full_param_names = [n for n, _ in module.named_parameters()]
+        self._full_state_keys = list(module.state_dict().keys())
+        self._aliases = aliases(module)
+        self._num_params = sum(p.numel() for p in module.parameters())
+        self._model_sizes = {
+            role: float(sum(p.numel() for p in getattr(module, role).parameters()))
+            for role in ROLES
+        }
+        group = self.global_rank % problem.stage_groups
+        for mi, _copy, stage in problem.residents(group):
+            spec = problem.models[mi]
+            model = getattr(module, spec.name)
+            st = partition_(
+                model, spec.name, stage, spec.pipeline_stages, self._layers.get(spec.name)
+            )
+            self._stages[spec.name] = st
+            loss_fn = module.actor_loss if spec.name == "actor" else module.critic_loss
+            self._runners[spec.name] = TrainStageRunner(st, loss_fn if st.is_last else None)
+        log.debug(
+            "rank %d holds %s", self.global_rank, {k: v.stage for k, v in self._stages.items()}
+        )
+
+    def _build_pipeline(self, micro_batches: Sequence[Mapping[str, Tensor]]) -> None:
+        """Plan (profiling first unless a schedule was given), then create groups and engine.
+
+        Collective over all ranks; runs at the first training step.
+        """
+        assert self._structure is not None
+        structure = self._structure
+        if self._schedule is not None:
+            schedule = self._schedule
+        else:
+            mb = micro_batches[0]
+            prof = {
+                name: (
+                    st.stage,
+                    *profile_runner(
+                        self._runners[name],
+                        mb,
+                        repeats=self._profile_repeats,
+                        device=self.root_device,
+                    ),
+                )
+                for name, st in self._stages.items()
+            }
+            profiles: list[Any] = [None] * self.world_size
+            dist.all_gather_object(profiles, prof)
+            box: list[Any] = [None]
+            if self.global_rank == 0:
+                spec = {m.name: m for m in structure.models}
+                problem = problem_from_profiles(
+                    profiles,
+                    stage_groups=structure.stage_groups,
+                    micro_batches=structure.models[0].copies * structure.models[0].micro_batches,
+                    actor_stages=spec["actor"].pipeline_stages,
+                    critic_stages=spec["critic"].pipeline_stages,
+                    activation={m.name: list(m.activation) for m in structure.models},
+                    sizes=self._model_sizes,
+                )
+                box[0] = _solve(problem, self._solver, self._solver_time_limit).to_dict()
+            dist.broadcast_object_list(box, src=0)
+            schedule = Schedule.from_dict(box[0])
+        plan = PipelinePlan(schedule, self._replicas)
+        if self._schedule_out is not None and self.global_rank == 0:
+            schedule.save(self._schedule_out)
+        comm = PipelineComm(plan, self.global_rank, timeout=self._timeout, device=self.root_device)
+        self._plan = plan
+        self._engine = PipelineEngine(plan, comm, self._runners)
+        rank_zero_info(
+            f"FusedPipelineStrategy: schedule from {schedule.solver}, predicted makespan "
+            f"{schedule.makespan:.4g} (serial 1F1B "
+            f"{schedule.baselines.get('serial_1f1b', {}).get('makespan', float('nan')):.4g})"
+        )
+
+    def teardown(self) -> None:
+        if self._engine is not None:
+            self._engine.close()
+            self._engine = None
+        super().teardown()
+
+    # -- the training step -------------------------------------------------------------------------
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        assert module is not None and self._structure is not None
+        batch = kwargs.get("batch", args[0] if args else None)
+        cfg = getattr(module, "ppo_config", None)
+        accumulate = int(getattr(cfg, "accumulate_batches", 1))
+        max_norm = getattr(cfg, "max_grad_norm", None)
+        g = self._structure.models[0].copies * self._structure.models[0].micro_batches
+        mbs = split_micro_batches(batch, g)
+        with self.precision_plugin.train_step_context():
+            if self._engine is None:
+                self._build_pipeline(mbs)
+            assert self._engine is not None
+            self._engine.run(mbs, loss_denominator=float(g * self._replicas * accumulate))
+        self._accumulated += 1
+        norms = None
+        if self._accumulated == accumulate:
+            self._accumulated = 0
+            self._engine.sync_gradients()
+            norms = self._engine.clip_gradients({role: max_norm for role in ROLES})
+            for opt in module.optimizers():
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+        stats = self._engine.reduced_stats()
+        stats = {role: {k: v * accumulate for k, v in st.items()} for role, st in stats.items()}
+        log_ppo_stats(module, stats, norms, batch_size=int(batch["input_ids"].shape[0]))
+        return torch.tensor(sum(st["loss"] for st in stats.values()))
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        if self._stages:
+            raise MisconfigurationException(
+                "FusedPipelineStrategy pipelines training only; the models are partitioned "
+                "during fit, so validation_step cannot run. Set limit_val_batches=0 and "
+                "validate with a separate Trainer without this strategy (load the gathered "
+                "checkpoint)."
+            )
+        return super().validation_step(*args, **kwargs)
+
+    # -- collectives used by Lightning (logging, callbacks) ----------------------------------------
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if _distributed_is_initialized():
+            dist.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def reduce(
+        self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    # -- checkpoints -------------------------------------------------------------------------------
+    @property
+    def checkpoint_mode(self) -> Literal["gathered", "sharded"]:
+        if self._checkpoint_mode != "auto":
+            return self._checkpoint_mode
+        return "gathered" if self._num_params <= self._gathered_max_params else "sharded"
+
+    def _canonical(self, role: str) -> bool:
+        return self._plan_like().is_canonical(self.global_rank, role)
+
+    def _plan_like(self) -> PipelinePlan:
+        if self._plan is not None:
+            return self._plan
+        if self._layout_plan is None:
+            assert self._structure is not None
+            # Only the rank layout is needed before the first step: any valid order will do.
+            from ..schedule import concatenated_1f1b, validate
+
+            order = concatenated_1f1b(self._structure)
+            ev = validate(self._structure, order)
+            sched = Schedule(
+                self._structure, order, "layout", 0.0, ev.makespan, ev.peak_activation, 0.0
+            )
+            self._layout_plan = PipelinePlan(sched, self._replicas)
+        return self._layout_plan
+
+    def _owned_state(self) -> dict[str, Tensor]:
+        """The entries of the module's state dict this rank contributes exactly once."""
+        module = self.lightning_module
+        assert module is not None
+        out = {}
+        for k, v in module.state_dict().items():
+            role = k.split(".", 1)[0]
+            if role in self._stages:
+                if not self._canonical(role):
+                    continue
+            elif self.global_rank != 0:
+                continue
+            out[k] = v.detach().cpu()
+        return out
+
+    def gathered_state_dict(self) -> dict[str, Tensor]:
+        """The full, unpartitioned state dict on rank 0 ({} elsewhere). Collective."""
+        if not self._stages:
+            assert self.lightning_module is not None
+            return self.lightning_module.state_dict()
+        parts: list[Any] = [None] * self.world_size if self.global_rank == 0 else None
+        dist.gather_object(self._owned_state(), parts, dst=0)
+        if self.global_rank != 0:
+            return {}
+        merged: dict[str, Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        missing = [k for k in self._full_state_keys if k not in merged]
+        if missing:
+            raise RuntimeError(f"gathered state dict misses {missing[:5]} (of {len(missing)})")
+        return {k: merged[k] for k in self._full_state_keys}
+
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        if not self._stages:
+            return super().lightning_module_state_dict()
+        if self.checkpoint_mode == "gathered":
+            return self.gathered_state_dict()
+        return self._owned_state()
+
+    def _optimizer_role(self, optimizer: Any) -> str:
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        for i, o in enumerate(self.optimizers):
+            if getattr(o, "_optimizer", o) is opt:
+                return ROLES[i]
+        raise ValueError("optimizer is not one of the strategy's optimizers")
+
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if not self._stages:
+            return super().optimizer_state(optimizer)
+        module = self.lightning_module
+        assert module is not None
+        opt = getattr(optimizer, "_optimizer", optimizer)
+        role = self._optimizer_role(optimizer)
+        keep = set(self._full_param_names) if self._canonical(role) else set()
+        named = named_optimizer_state(opt, param_names(module), keep=keep)
+        if self.checkpoint_mode == "sharded":
+            return named
+        parts: list[Any] = [None] * self.world_size if self.global_rank == 0 else None
+        dist.gather_object(named, parts, dst=0)
+        if self.global_rank != 0:
+            return {}
+        return merge_named_states(parts, self._full_param_names)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        if not self._stages or self.checkpoint_mode == "gathered":
+            if self.is_global_zero:
+                self.checkpoint_io.save_checkpoint(
+                    checkpoint, filepath, storage_options=storage_options
+                )
+            return
+        # Sharded: a directory with one file per (model, stage) written by its canonical holder,
+        # plus the rest of the Lightning checkpoint from rank 0.
+        path = Path(filepath)
+        if self.is_global_zero:
+            path.mkdir(parents=True, exist_ok=True)
+        self.barrier()
+        shards: dict[str, dict[str, Any]] = {}
+        for role, st in self._stages.items():
+            if not self._canonical(role):
+                continue
+            shards[role] = {
+                "state_dict": {
+                    k: v for k, v in checkpoint["state_dict"].items() if k.startswith(role + ".")
+                },
+                "optimizer": checkpoint["optimizer_states"][ROLES.index(role)],
+                "stage": st.stage,
+                "num_stages": st.num_stages,
+            }
+            torch.save(shards[role], path / f"{role}_stage{st.stage}.pt")
+        if self.is_global_zero:
+            meta = {
+                k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
+            }
+            meta["state_dict_rest"] = {
+                k: v for k, v in checkpoint["state_dict"].items() if k.split(".", 1)[0] not in ROLES
+            }
+            meta["fused_pipeline_layout"] = {
+                m.name: m.pipeline_stages
+                for m in (self._structure.models if self._structure else ())
+            }
+            torch.save(meta, path / _SHARD_META)
+
+    def load_checkpoint(
+        self, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        path = Path(checkpoint_path)
+        if not path.is_dir():
+            return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=False)
+        meta = torch.load(path / _SHARD_META, map_location="cpu", weights_only=False)
+        layout = meta.pop("fused_pipeline_layout", {})
+        state = dict(meta.pop("state_dict_rest", {}))
+        optimizer_states: list[Any] = [None, None]
+        for role, st in self._stages.items():
+            if layout.get(role) not in (None, st.num_stages):
+                raise PlanError(
+                    f"checkpoint {path}: {role} was saved with {layout[role]} pipeline stages, "
+                    f"this run uses {st.num_stages}; save a gathered checkpoint to change stages"
+                )
+            shard = torch.load(
+                path / f"{role}_stage{st.stage}.pt", map_location="cpu", weights_only=False
+            )
+            state.update(shard["state_dict"])
+            optimizer_states[ROLES.index(role)] = shard["optimizer"]
+        return {**meta, "state_dict": state, "optimizer_states": optimizer_states}
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        saved = checkpoint["state_dict"]
+        local = module.state_dict()
+        missing = [k for k in local if k not in saved]
+        if strict and missing:
+            raise KeyError(
+                f"checkpoint misses {len(missing)} keys this rank needs, e.g. {missing[:3]}"
+            )
+        module.load_state_dict({k: saved[k] for k in local if k in saved}, strict=strict)
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        module = self.lightning_module
+        assert module is not None
+        names = param_names(module)
+        for opt, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            inner = getattr(opt, "_optimizer", opt)
+            inner.load_state_dict(local_optimizer_state(inner, saved, names, self._aliases))
+            _optimizers_to_device([inner], self.root_device)
+
+    def remove_checkpoint(self, filepath: Any) -> None:
+        if self.is_global_zero:
+            if Path(filepath).is_dir():
+                shutil.rmtree(filepath, ignore_errors=True)
+            else:
+                self.checkpoint_io.remove_checkpoint(filepath)
+
+    # -- registry ----------------------------------------------------------------------------------
+    @classmethod
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        strategy_registry.register(
+            "fused_pipeline",
+            cls,
+            description="Fused bidirectional pipeline for PPO Actor + Critic (rlhf-fusion)",
+            override=True,
+        )
+
+
+def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Merge a sharded checkpoint directory into one ordinary Lightning checkpoint dict.
+
+    The model weights are complete (every stage's file); optimizer states are left out
+    because their order depends on ``configure_optimizers``: resume sharded checkpoints with
+    the strategy, or load the returned ``state_dict`` into a fresh module.
+    """
+    path = Path(path)
+    if not (path / _SHARD_META).exists():
+        raise FileNotFoundError(f"{path}: not a sharded FusedPipelineStrategy checkpoint")
+    meta = torch.load(path / _SHARD_META, map_location="cpu", weights_only=False)
+    layout = meta.pop("fused_pipeline_layout", {})
+    state = dict(meta.pop("state_dict_rest", {}))
+    for role, stages in layout.items():
+        for s in range(stages):
+            shard = torch.load(path / f"{role}_stage{s}.pt", map_location="cpu", weights_only=False)
+            state.update(shard["state_dict"])
+    return {**meta, "state_dict": state}
+
+
+def _solve(problem: Problem, solver: str, time_limit: float) -> Schedule:
+    try:
+        return solve(problem, solver, time_limit=time_limit)
+    except ImportError:
+        # The heavier solvers are optional; greedy always exists.
+        rank_zero_info(f"solver {solver!r} unavailable; using greedy")
+        return solve(problem, "greedy", time_limit=time_limit)

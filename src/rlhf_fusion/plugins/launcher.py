@@ -1,0 +1,61 @@
+"""Process launcher for :class:`FusedPipelineStrategy`.
+
+Lightning's spawn launcher, with two changes: the strategy's pre-flight check runs in the
+launching process before any worker exists (a schedule that does not fit the models fails in
+seconds, not after N processes imported torch), and the weights handed back to the launching
+process are the *gathered* unpartitioned state dict rather than rank 0's shard, so the user's
+module in the main process is fully trained after ``fit`` returns.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import TYPE_CHECKING, Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.strategies.launchers.multiprocessing import (
+    _MultiProcessingLauncher,
+    _WorkerOutput,
+)
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+if TYPE_CHECKING:
+    from .fused_pipeline import FusedPipelineStrategy
+
+
+class FusedPipelineLauncher(_MultiProcessingLauncher):
+    def __init__(self, strategy: FusedPipelineStrategy, start_method: str = "spawn") -> None:
+        super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]
+
+    def launch(
+        self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any
+    ) -> Any:
+        module = next((a for a in args if isinstance(a, pl.LightningModule)), None)
+        if module is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
+            self._strategy.preflight(module)  # type: ignore[attr-defined]
+        return super().launch(function, *args, trainer=trainer, **kwargs)
+
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+        strategy: FusedPipelineStrategy = self._strategy  # type: ignore[assignment]
+        checkpoint_callback = trainer.checkpoint_callback
+        best_model_path = getattr(checkpoint_callback, "best_model_path", None)
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        state_dict = None
+        if fitting:
+            if strategy.checkpoint_mode == "gathered":
+                state_dict = strategy.gathered_state_dict()  # collective: every rank calls it
+            else:
+                rank_zero_warn(
+                    "FusedPipelineStrategy: sharded checkpoint mode does not copy the trained "
+                    "weights back into the launching process; load them from a checkpoint"
+                )
+        if strategy.local_rank != 0:
+            return None
+        weights_path = None
+        if state_dict is not None:
+            weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
+            strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+        extra = self.get_extra_results(trainer)
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
