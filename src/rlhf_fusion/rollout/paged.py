@@ -24,7 +24,7 @@ import torch.nn.functional as F
 
 from .types import KVCapacityError
 
-ATTN_IMPL_NAME = "rlhf_fusion_paged"
+ATTN_IMPL_NAME = "rlhf_fusion_rollout_paged"  # distinct from triton_kernels' own
 
 
 @dataclass
