@@ -33,12 +33,6 @@ class AnnealResult:
     seed: int
 
 
-def _fits(cp: CompiledProblem, order: IdOrder, caps: Sequence[float] | None) -> bool:
-    if caps is None:
-        return True
-    return all(p <= c + 1e-9 for p, c in zip(cp.group_peaks(order), caps))
-
-
 def _energy(cp: CompiledProblem, order: IdOrder) -> tuple[float, float] | None:
     res = cp.simulate(order)
     if res is None:
@@ -99,7 +93,7 @@ def anneal_once(
         g, k = mv
         order[g][k], order[g][k + 1] = order[g][k + 1], order[g][k]
         new_e = _energy(cp, order)
-        ok = new_e is not None and _fits(cp, order, caps)
+        ok = new_e is not None and cp.fits(order, caps)
         if ok and (new_e[1] <= cur_e[1] or rng.random() < math.exp((cur_e[1] - new_e[1]) / temp)):
             cur_e = new_e
             if new_e[1] < best_e[1]:
@@ -130,7 +124,7 @@ def anneal_once(
         new_p = cp.peak(order) if ms is not None and ms <= limit else None
         if (
             new_p is not None
-            and _fits(cp, order, caps)
+            and cp.fits(order, caps)
             and (new_p <= cur_p or rng.random() < math.exp((cur_p - new_p) / temp))
         ):
             cur_p = new_p

@@ -133,6 +133,10 @@ class CompiledProblem:
     def peak(self, order: IdOrder) -> float:
         return max(self.group_peaks(order), default=0.0)
 
+    def fits(self, order: IdOrder, caps: Sequence[float] | None) -> bool:
+        """Whether every group's peak stays within its capacity (always, without one)."""
+        return caps is None or all(p <= c + _EPS for p, c in zip(self.group_peaks(order), caps))
+
 
 @dataclass
 class Evaluation:

@@ -23,10 +23,6 @@ class InfeasibleError(ProblemError):
     """No schedule fits the memory capacity (or none was found within the time budget)."""
 
 
-def _fits(cp: CompiledProblem, order: IdOrder, caps) -> bool:
-    return caps is None or all(p <= c + 1e-9 for p, c in zip(cp.group_peaks(order), caps))
-
-
 def search(
     problem: Problem,
     cp: CompiledProblem,
@@ -57,15 +53,15 @@ def search(
     # A valid start: the greedy, or concatenated 1F1B (whose per-group peak is the serial one)
     # when the greedy breaks the capacity.
     best = cp.ids(greedy(problem))
-    if not _fits(cp, best, caps):
+    if not cp.fits(best, caps):
         best = cp.ids(concatenated_1f1b(problem))
-        if not _fits(cp, best, caps) and solver == "anneal":
+        if not cp.fits(best, caps) and solver == "anneal":
             raise InfeasibleError(
                 "infeasible under capacity: even concatenated 1F1B needs "
                 f"{max(cp.group_peaks(best)):g} on some group; raise memory_capacity or use "
                 "solver='cpsat' to search for a lower-memory order"
             )
-    start_valid = _fits(cp, best, caps)
+    start_valid = cp.fits(best, caps)
     if start_valid:
         note("start", best)
     optimal = False

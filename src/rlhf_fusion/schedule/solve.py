@@ -18,6 +18,8 @@ Progress = Callable[[str, float, float], None]  # (phase, fraction done, best ma
 
 
 def baselines(problem: Problem) -> dict[str, dict[str, float]]:
+    """Reference points, measured without any memory capacity (the greedy ignores it)."""
+    problem = problem.with_capacity(None)
     ser_ms, ser_pk = serial_1f1b(problem)
     conc = validate(problem, concatenated_1f1b(problem))
     gr = validate(problem, greedy(problem))

@@ -1,0 +1,146 @@
+"""The ``rlhf-fusion`` command."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+# The RLHFuse Table 3 setting "33B/13B PP 8/4 GBS 8" in the planner's cost model: a small
+# problem the demo solves to the bound in seconds.
+DEMO_PROBLEM = {
+    "name": "demo: 33B actor PP8 + 13B critic PP4 x2, global batch 8",
+    "stage_groups": 8,
+    "models": [
+        {"name": "actor", "pipeline_stages": 8, "copies": 1, "micro_batches": 8,
+         "forward": 5, "backward": 10, "activation": 1.95, "direction": "forward"},
+        {"name": "critic", "pipeline_stages": 4, "copies": 2, "micro_batches": 4,
+         "forward": 4, "backward": 8, "activation": 2.0, "direction": "reverse"},
+    ],
+}
+
+
+def _table(schedule) -> str:
+    serial = schedule.baselines["serial_1f1b"]
+    rows = [
+        ("makespan", f"{schedule.makespan:g}"),
+        ("speedup vs serial 1F1B", f"{schedule.speedup():.3f}x  (serial {serial['makespan']:g})"),
+        ("speedup vs greedy", f"{schedule.speedup('greedy'):.3f}x  "
+                              f"(greedy {schedule.baselines['greedy']['makespan']:g})"),
+        ("lower bound", f"{schedule.lower_bound:g}"),
+        ("gap to bound", f"{100 * schedule.gap:.2f}%" + ("  (optimal)" if schedule.optimal else "")),
+        ("peak activation", f"{schedule.peak_activation:.4g}  "
+                            f"({schedule.peak_ratio():.2f}x serial {serial['peak_activation']:.4g})"),
+        ("solver", schedule.solver),
+        ("seconds", f"{schedule.seconds:.1f}"),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def _solve_with_progress(problem, solver: str, time_limit: float, workers: int | None, quiet: bool):
+    from tqdm import tqdm
+
+    from .schedule import solve
+
+    if quiet or solver in ("greedy", "concatenated_1f1b"):
+        return solve(problem, solver, time_limit=time_limit, workers=workers)
+    bar = tqdm(total=100, desc=f"{solver} search", unit="%", file=sys.stderr,
+               bar_format="{desc}: {percentage:3.0f}%|{bar}| {postfix}")
+
+    def progress(phase: str, fraction: float, makespan) -> None:
+        bar.n = int(100 * fraction)
+        bar.set_postfix_str(f"{phase}: makespan {makespan:g}")
+
+    try:
+        return solve(problem, solver, time_limit=time_limit, workers=workers, progress=progress)
+    finally:
+        bar.n = 100
+        bar.close()
+
+
+def cmd_schedule(args: argparse.Namespace) -> int:
+    from .schedule import Problem, ProblemError
+
+    try:
+        problem = Problem.from_json(args.problem)
+        if args.memory_capacity is not None:
+            problem = problem.with_capacity(args.memory_capacity)
+        schedule = _solve_with_progress(problem, args.solver, args.time_limit, args.workers, args.quiet)
+    except ProblemError as exc:
+        print(f"rlhf-fusion schedule: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"{problem.name or args.problem}")
+    print(_table(schedule))
+    if args.out:
+        schedule.save(args.out)
+        print(f"  schedule written to {args.out}")
+    if args.plot:
+        from .schedule.plot import plot_schedule
+
+        plot_schedule(schedule, args.plot)
+        print(f"  plot written to {args.plot}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .schedule import Problem
+    from .schedule.plot import plot_schedule
+
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    problem = Problem.from_dict(DEMO_PROBLEM)
+    (out / "problem.json").write_text(json.dumps(DEMO_PROBLEM, indent=1) + "\n")
+    print(f"Planning a fused Actor/Critic pipeline schedule for: {problem.name}")
+    schedule = _solve_with_progress(problem, "auto", args.time_limit, None, False)
+    print(_table(schedule))
+    schedule.save(out / "schedule.json")
+    plot_schedule(schedule, out / "schedule.png")
+    streams = schedule.instruction_streams()
+    print(f"  rank 0 runs {len(streams[0])} instructions, starting: "
+          + " ".join(str(a) for a in streams[0][:6]) + " ...")
+    print(f"  wrote {out / 'problem.json'}, {out / 'schedule.json'}, {out / 'schedule.png'}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .schedule import SOLVERS
+
+    parser = argparse.ArgumentParser(prog="rlhf-fusion", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("schedule", help="find a fused Actor/Critic pipeline schedule")
+    p.add_argument("problem", help="problem JSON (see DESIGN.md), or a schedule/table3 entry")
+    p.add_argument("--solver", default="auto", choices=SOLVERS)
+    p.add_argument("--time-limit", type=float, default=60.0, help="seconds for the search")
+    p.add_argument("--memory-capacity", type=float, default=None,
+                   help="activation memory capacity per group (overrides the problem's)")
+    p.add_argument("--workers", type=int, default=None, help="processes/threads (default: all cores)")
+    p.add_argument("--out", help="write the schedule JSON (with instruction streams) here")
+    p.add_argument("--plot", help="write a timeline + memory PNG here")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_schedule)
+
+    d = sub.add_parser("demo", help="plan a fused schedule for a built-in setting and plot it")
+    d.add_argument("--out-dir", default="rlhf-fusion-demo")
+    d.add_argument("--time-limit", type=float, default=20.0)
+    d.set_defaults(func=cmd_demo)
+
+    try:
+        from .rollout.cli import register as register_rollout
+    except ImportError:
+        register_rollout = None
+    if register_rollout is not None:
+        register_rollout(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
