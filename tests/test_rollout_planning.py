@@ -107,7 +107,7 @@ def test_lengths_distribution():
     assert d.median == pytest.approx(100, rel=0.02)
     assert 9.5 < d.tail_ratio < 11
     refined = d.refine([50_000] * 100, weight=0.5)
-    assert refined.quantile(0.6) == 50_000 and refined.quantile(0.4) < 200
+    assert refined.quantile(0.6) == 50_000 and refined.quantile(0.25) == pytest.approx(100, rel=0.05)
     with pytest.raises(RolloutConfigError):
         LengthDistribution([])
 
