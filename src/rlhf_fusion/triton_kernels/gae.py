@@ -353,24 +353,24 @@ def gae_torch(
         adv = _discounted_suffix_sum(delta, w)
         return adv, adv + v
 
+    if steps == 0:
+        z = torch.zeros(bsz, 0, dtype=torch.float32, device=r.device)
+        return z, z.clone()
     m = _as_bool(mask)
-    mi = m.to(torch.int64)
     # excl[t]: valid tokens before t = index, in the compacted row, of the first valid token at
     # or after t. It is < T for every position whenever some token is masked.
-    excl = torch.cumsum(mi, dim=1)
-    excl.sub_(mi)
-    dest = excl.masked_fill(~m, steps)  # masked tokens go to a scratch column
+    excl = F.pad(m[:, :-1], (1, 0)).cumsum(dim=1)
+    dest = torch.where(m, excl, steps)  # masked tokens go to a scratch column
     rc = torch.zeros(bsz, steps + 1, dtype=torch.float32, device=r.device)
     vc = torch.zeros_like(rc)
     rc.scatter_(1, dest, r)
     vc.scatter_(1, dest, v)
     delta_c = rc[:, :steps] - vc[:, :steps]  # zero beyond the last valid token
-    if steps:
-        delta_c[:, :-1].add_(vc[:, 1:steps], alpha=gamma)
-        if boot is not None:
-            n_valid = excl[:, -1:] + mi[:, -1:]
-            last = (n_valid - 1).clamp(min=0)
-            delta_c.scatter_add_(1, last, gamma * boot[:, None] * (n_valid > 0))
+    delta_c[:, :-1].add_(vc[:, 1:steps], alpha=gamma)
+    if boot is not None:
+        n_valid = excl[:, -1:] + m[:, -1:]
+        last = (n_valid - 1).clamp(min=0)
+        delta_c.scatter_add_(1, last, gamma * boot[:, None] * (n_valid > 0))
     adv = torch.gather(_discounted_suffix_sum(delta_c, w), 1, excl)
     return adv, adv + v
 
