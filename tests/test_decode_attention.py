@@ -108,6 +108,15 @@ def test_public_dispatch_cpu_uses_torch(monkeypatch):
     assert out.shape == q.shape
 
 
+def test_compiled_kernel_rejects_cpu_tensors():
+    pytest.importorskip("triton")
+    if in_interpreter_child():
+        pytest.skip("the interpreter runs CPU tensors")
+    q, k, v, table, lens = make_cache([3], q_heads=4, kv_heads=2, dim=16, page=4)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        decode_attention_triton(q, k, v, table, lens, sm_scale=0.25)
+
+
 @pytest.mark.parametrize(
     "change, match",
     [

@@ -23,7 +23,7 @@ from rlhf_fusion.triton_kernels import (
     gae_torch,
     gae_triton,
 )
-from rlhf_fusion.triton_kernels.testing import InterpreterChild
+from rlhf_fusion.triton_kernels.testing import InterpreterChild, in_interpreter_child
 
 # the package attribute `gae` is the function; the module is needed for monkeypatching
 _GAE = importlib.import_module("rlhf_fusion.triton_kernels.gae")
@@ -491,6 +491,15 @@ def test_kernel_packed(kernel_device, lens, kind, semantics):
     check_packed(
         "triton", dev(r), dev(v), dev(cu.long()), dev(m), semantics, dev(torch.randn(len(lens)))
     )
+
+
+def test_compiled_kernel_rejects_cpu_tensors():
+    pytest.importorskip("triton")
+    if in_interpreter_child():
+        pytest.skip("the interpreter runs CPU tensors")
+    r = torch.zeros(2, 8)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        gae_triton(r, r, None, gamma=0.9, lam=0.9)
 
 
 def test_kernel_empty_inputs(kernel_device):
