@@ -516,6 +516,19 @@ def test_kernel_empty_inputs(kernel_device):
     assert adv.shape == (0,)
 
 
+def test_kernel_nan_in_masked_positions_does_not_leak(kernel_device):
+    if kernel_device is None:
+        return
+    r, v, m = make_inputs(2, 300, "holes", seed=2)
+    r = torch.where(m, r, float("nan")).to(kernel_device)
+    v = torch.where(m, v, float("nan")).to(kernel_device)
+    m = m.to(kernel_device)
+    for semantics in ("zero", "skip"):
+        adv, ret = gae_triton(r, v, m, gamma=0.99, lam=0.95, semantics=semantics)
+        assert torch.isfinite(adv).all()
+        assert torch.isfinite(ret[m]).all()
+
+
 def test_kernel_agrees_with_torch_path(kernel_device):
     if kernel_device is None:
         return

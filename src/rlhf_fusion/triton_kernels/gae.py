@@ -557,8 +557,8 @@ def _log2w(gamma: float, lam: float) -> float:
 
 
 def _mask_arg(mask: torch.Tensor) -> torch.Tensor:
-    # Triton loads torch.bool as i1 pointers inconsistently across versions; uint8 is the same
-    # bytes and always works (a view, no copy).
+    # A uint8 view of a bool mask (same bytes, no copy) keeps the kernel's mask loads plain
+    # byte loads compared with 0, like every other mask dtype.
     return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
 
 
