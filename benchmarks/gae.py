@@ -144,6 +144,7 @@ def bench_cpu(rounds: int, pairs_per_case: int = 7) -> list[dict]:
                 rewards, values, right, holes
             ):
                 err = max_diff(blocked(), base())
+                load_before = os.getloadavg()[0]
                 # Paired measurements: each loop call is followed by blocked calls, so both
                 # see the same machine load (this box is shared); the speedup is the median of
                 # the per-pair ratios.
@@ -170,6 +171,7 @@ def bench_cpu(rounds: int, pairs_per_case: int = 7) -> list[dict]:
                         "blocked_min_s": t_blk["min_s"],
                         "speedup": speed,
                         "speedup_of_minima": t_loop["min_s"] / t_blk["min_s"],
+                        "loadavg_1min": [round(load_before, 2), round(os.getloadavg()[0], 2)],
                         "pairs": len(pairs),
                         "max_abs_diff": err,
                         "bar": CPU_BAR,
@@ -298,6 +300,7 @@ def main(argv: list[str] | None = None) -> None:
             f"{r['speedup']:.0f}x",
             f"{r['speedup_of_minima']:.0f}x",
             f"{r['max_abs_diff']:.1e}",
+            "{:.1f} / {:.1f}".format(*r["loadavg_1min"]),
             "yes" if r["meets_bar"] else "NO",
         )
         for r in cpu_rows
@@ -342,7 +345,8 @@ def main(argv: list[str] | None = None) -> None:
         "times are medians over the pairs, the speedup is the median of the per-pair ratios "
         "(and, for reference, fastest loop / fastest blocked). Each round is a full repeat. "
         "The 2-core machine is shared with other jobs, so the 2-thread rows in particular are "
-        "noisy: with both cores requested, torch's intra-op threads wait for a busy core.",
+        "noisy: with both cores requested, torch's intra-op threads wait for a core another job "
+        "holds (1-minute load average on 2 cores shown per row).",
         "GPU: the Triton kernel; bytes counted once each: rewards, values, mask read, "
         "advantages and returns written (float32 outputs). Copy bandwidth: a 1 GiB "
         "device-to-device copy (read + write). Times from CUDA events with the L2 flushed "
@@ -374,6 +378,7 @@ def main(argv: list[str] | None = None) -> None:
                 "speedup (median of pairs)",
                 "speedup (min / min)",
                 "max abs diff",
+                "load avg before / after",
                 "median >= 50x",
             ),
             cpu_table,
