@@ -85,7 +85,8 @@ class FusedPipelineStrategy(ParallelStrategy):
         actor_layers / critic_layers: decoder layers per stage (default: an even split).
         schedule: a schedule file (``Schedule.save``) or object to run instead of planning.
         solver / solver_time_limit: planner used on the profiled times.
-        profile_repeats: timed forward+backward rounds per stage in the profiling pass.
+        profile_repeats: timed rounds over the first batch's micro-batches per stage in the
+            profiling pass (after one warm-up micro-batch).
         schedule_out: where rank 0 writes the schedule it ran (reuse it with ``schedule=``).
         timeout: seconds any wait (activation, gradient, collective) may take before the rank
             raises an error naming what it waited for.
@@ -108,7 +109,7 @@ class FusedPipelineStrategy(ParallelStrategy):
         schedule: str | os.PathLike | Schedule | None = None,
         solver: str = "greedy",
         solver_time_limit: float = 10.0,
-        profile_repeats: int = 2,
+        profile_repeats: int = 1,
         schedule_out: str | os.PathLike | None = None,
         timeout: float = 300.0,
         checkpoint: CheckpointMode = "auto",
@@ -397,13 +398,12 @@ class FusedPipelineStrategy(ParallelStrategy):
         if self._schedule is not None:
             schedule = self._schedule
         else:
-            mb = micro_batches[0]
             prof = {
                 name: (
                     st.stage,
                     *profile_runner(
                         self._runners[name],
-                        mb,
+                        micro_batches,
                         repeats=self._profile_repeats,
                         device=self.root_device,
                     ),

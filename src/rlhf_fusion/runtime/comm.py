@@ -195,7 +195,8 @@ class PipelineComm:
         self._cond = threading.Condition()
         self._arrived: dict[Transfer, Tensor | BaseException] = {}
         self._receivers: dict[tuple[str, str, int], _Receiver] = {}
-        self._sends: deque[tuple[Transfer, int, list, tuple[Tensor, Tensor]]] = deque()
+        self._sends: deque[tuple[Transfer, int, list, tuple[Tensor, ...]]] = deque()
+        self._announced: dict[Transfer, tuple[tuple[int, ...], torch.dtype]] = {}
         self._closed = False
 
     # -- naming ----------------------------------------------------------------------------------
@@ -249,22 +250,48 @@ class PipelineComm:
         return result
 
     def send(self, tensor: Tensor, a: Action) -> None:
-        """Start sending ``tensor`` for a SEND action (asynchronous; see :meth:`flush_sends`)."""
+        """Start sending ``tensor`` for a SEND action (asynchronous; see :meth:`flush_sends`).
+
+        Sends the header first unless :meth:`send_header` already announced this transfer.
+        """
+        t = Transfer.of(a)
+        pre = self._announced.pop(t, None)
+        tensor = tensor.contiguous()
+        if pre is None:
+            self.send_header(a, tuple(tensor.shape), tensor.dtype)
+            pre = self._announced.pop(t)
+        if pre != (tuple(tensor.shape), tensor.dtype):
+            raise PeerError(
+                f"{self.where()}: announced {t.describe()} as {pre[1]} {list(pre[0])} but the "
+                f"tensor is {tensor.dtype} {list(tensor.shape)}; the stage runner's "
+                "output_meta is wrong"
+            )
+        dst = self.plan.peer_rank(self.rank, a.peer)  # type: ignore[arg-type]
+        work = dist.isend(tensor, dst=dst, group=self.p2p[(t.model, t.kind)])
+        self._push_send(t, dst, work, tensor)
+
+    def send_header(self, a: Action, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Announce the shape of a tensor before it is computed.
+
+        The receiver's thread then has its payload receive posted by the time the tensor is
+        sent, which takes a round trip off the critical path. The tensor must follow with
+        :meth:`send` and match exactly.
+        """
         t = Transfer.of(a)
         dst = self.plan.peer_rank(self.rank, a.peer)  # type: ignore[arg-type]
-        group = self.p2p[(t.model, t.kind)]
-        tensor = tensor.contiguous()
-        header = make_header(tensor, t.micro_batch).to(self.device)
-        works = [
-            dist.isend(header, dst=dst, group=group),
-            dist.isend(tensor, dst=dst, group=group),
-        ]
-        self._sends.append((t, dst, works, (header, tensor)))
+        header = make_header(torch.empty(shape, dtype=dtype, device="meta"), t.micro_batch)
+        header = header.to(self.device)
+        work = dist.isend(header, dst=dst, group=self.p2p[(t.model, t.kind)])
+        self._announced[t] = (tuple(shape), dtype)
+        self._push_send(t, dst, work, header)
+
+    def _push_send(self, t: Transfer, dst: int, work, keep: Tensor) -> None:  # noqa: ANN001
+        self._sends.append((t, dst, [work], (keep,)))
         # Receivers post early, so old sends are normally done: reclaiming them bounds memory.
         while len(self._sends) > self.max_pending_sends:
             self._finish_send(self._sends.popleft())
 
-    def _finish_send(self, item: tuple[Transfer, int, list, tuple[Tensor, Tensor]]) -> None:
+    def _finish_send(self, item: tuple[Transfer, int, list, tuple[Tensor, ...]]) -> None:
         t, dst, works, _ = item
         for w in works:
             self._wait(w, f"sending {t.describe()} to rank {dst}")
@@ -319,6 +346,7 @@ class PipelineComm:
             rcv.thread.join(timeout=1.0)
         self._receivers.clear()
         self._sends.clear()
+        self._announced.clear()
         groups = list(self.p2p.values()) + list(self.stage_groups.values())
         groups += list(self.tied_groups.values()) + [self.world_group]
         for g in groups:

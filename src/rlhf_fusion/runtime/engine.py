@@ -44,6 +44,10 @@ class StageRunner(Protocol):
 
     def step_stats(self) -> dict[str, float]: ...
 
+    # Optional: ``output_meta(key, inp, mb)`` and ``grad_meta(key)`` return the (shape, dtype)
+    # of the tensor a forward / backward will send, or None. When present, the engine
+    # announces the shape before computing, hiding the header round trip behind compute.
+
 
 def scale_loss(loss: Tensor, denominator: float) -> Tensor:
     """The one place a micro-batch loss is normalised; the single-device reference uses it too,
@@ -92,6 +96,23 @@ class TrainStageRunner:
                 self._accumulate(name, scale_loss(value.detach(), self._denominator))
         return None
 
+    def output_meta(self, key, inp, mb):  # noqa: ANN001, ANN201
+        """Shape/dtype of the hidden state a non-last stage sends (known before computing)."""
+        if self.stage.is_last or mb is None or torch.is_autocast_enabled():
+            return None
+        rows, seq = mb["input_ids"].shape
+        if inp is not None:
+            dtype = inp.dtype
+        else:
+            param = next(self.stage.parameters(), None)
+            dtype = param.dtype if param is not None else torch.get_default_dtype()
+        return (rows, seq, int(self.stage.module.config.hidden_size)), dtype
+
+    def grad_meta(self, key):  # noqa: ANN001, ANN201
+        """The gradient sent upstream has the shape and dtype of the received input."""
+        inp = self._saved[key][0]
+        return None if inp is None else (tuple(inp.shape), inp.dtype)
+
     def _accumulate(self, name: str, value: Tensor) -> None:
         prev = self._stats.get(name)
         self._stats[name] = value.double() if prev is None else prev + value.double()
@@ -131,10 +152,20 @@ class EmulatedStageRunner:
 
     @staticmethod
     def _sleep(seconds: float) -> None:
-        # A plain sleep (overshoot ~0.1 ms): spinning would take CPU from the other ranks'
-        # communication threads on a machine with fewer cores than ranks.
-        if seconds > 0:
-            time.sleep(seconds)
+        # sleep() wakes late by 0.05-0.5 ms depending on load, which would add up over a
+        # step; sleep most of the time and spin only the last 0.3 ms (spinning longer would
+        # take CPU from the other ranks' communication threads).
+        end = time.perf_counter() + seconds
+        if seconds > 0.0003:
+            time.sleep(seconds - 0.0003)
+        while time.perf_counter() < end:
+            pass
+
+    def output_meta(self, key, inp, mb):  # noqa: ANN001, ANN201
+        return None if self.is_last else (self.shape, torch.float32)
+
+    def grad_meta(self, key):  # noqa: ANN001, ANN201
+        return None if self.is_first else (self.shape, torch.float32)
 
     def forward(self, key, inp, mb):  # noqa: ANN001, ANN201
         self._sleep(self.forward_s)
@@ -168,8 +199,11 @@ class PipelineEngine:
         *,
         stream: Sequence[Action] | None = None,
         trace: bool = False,
+        announce: bool = True,
     ):
         self.plan = plan
+        # Send shape headers before computing (when the runner can tell the shape).
+        self.announce = announce
         self.comm = comm
         self.rank = comm.rank
         self.residents: dict[str, Resident] = plan.residents(self.rank)
@@ -209,30 +243,48 @@ class PipelineEngine:
         self.comm.post_receives(stream)
         inbox: dict[tuple[str, str, int, int], Tensor] = {}
         outbox: dict[tuple[str, str, int, int], Tensor] = {}
-        for a in stream:
+        for i, a in enumerate(stream):
             key = (a.model, a.copy, a.micro_batch)
             if a.op == "RECV_F" or a.op == "RECV_B":
                 t0 = time.perf_counter()
                 inbox[(a.op[-1], *key)] = self.comm.recv(a)
                 if tr is not None:
                     tr.events.append((str(a), t0, time.perf_counter()))
-            elif a.op == "F":
+            elif a.op == "F" or a.op == "B":
                 t0 = time.perf_counter()
-                mb = None
-                if micro_batches is not None:
-                    mb = micro_batches[self.plan.global_micro_batch(a.model, a.copy, a.micro_batch)]
-                inp = inbox.pop(("F", *key), None)
-                out = self.runners[a.model].forward((a.copy, a.micro_batch), inp, mb)
-                if out is not None:
-                    outbox[("F", *key)] = out
-                if tr is not None:
-                    tr.events.append((str(a), t0, time.perf_counter()))
-            elif a.op == "B":
-                t0 = time.perf_counter()
-                grad = inbox.pop(("B", *key), None)
-                gin = self.runners[a.model].backward((a.copy, a.micro_batch), grad)
-                if gin is not None and a.stage > 0:
-                    outbox[("B", *key)] = gin
+                runner = self.runners[a.model]
+                nxt = stream[i + 1] if i + 1 < len(stream) else None
+                announce = (
+                    self.announce
+                    and nxt is not None
+                    and nxt.op == "SEND_" + a.op
+                    and (nxt.model, nxt.copy, nxt.micro_batch) == key
+                )
+                if a.op == "F":
+                    mb = None
+                    if micro_batches is not None:
+                        mb = micro_batches[
+                            self.plan.global_micro_batch(a.model, a.copy, a.micro_batch)
+                        ]
+                    inp = inbox.pop(("F", *key), None)
+                    meta_fn = getattr(runner, "output_meta", None)
+                    meta = (
+                        meta_fn((a.copy, a.micro_batch), inp, mb) if announce and meta_fn else None
+                    )
+                    if meta is not None:
+                        self.comm.send_header(nxt, *meta)  # type: ignore[arg-type]
+                    out = runner.forward((a.copy, a.micro_batch), inp, mb)
+                    if out is not None:
+                        outbox[("F", *key)] = out
+                else:
+                    meta_fn = getattr(runner, "grad_meta", None)
+                    meta = meta_fn((a.copy, a.micro_batch)) if announce and meta_fn else None
+                    if meta is not None:
+                        self.comm.send_header(nxt, *meta)  # type: ignore[arg-type]
+                    grad = inbox.pop(("B", *key), None)
+                    gin = runner.backward((a.copy, a.micro_batch), grad)
+                    if gin is not None and a.stage > 0:
+                        outbox[("B", *key)] = gin
                 if tr is not None:
                     tr.events.append((str(a), t0, time.perf_counter()))
             else:  # SEND_F / SEND_B

@@ -21,27 +21,30 @@ def _sync(device: torch.device) -> None:
 
 def profile_runner(
     runner: TrainStageRunner,
-    mb: Mapping[str, Tensor],
+    micro_batches: Mapping[str, Tensor] | Sequence[Mapping[str, Tensor]],
     *,
-    repeats: int = 2,
+    repeats: int = 1,
     device: torch.device | str = "cpu",
 ) -> tuple[float, float]:
-    """Median forward and backward seconds of one micro-batch on this stage.
+    """Mean forward and backward seconds per micro-batch on this stage.
 
-    Stages after the first get a random hidden state of the right shape (from a private
-    generator, so the global RNG stream the training relies on is untouched). Gradients the
-    pass leaves behind are cleared.
+    Runs one warm-up round, then ``repeats`` rounds over ``micro_batches`` (one micro-batch or
+    a list: their lengths differ, and the planner needs the average). Stages after the first
+    get a random hidden state of the right shape (from a private generator, so the global RNG
+    stream the training relies on is untouched). Gradients the pass leaves are cleared.
     """
     device = torch.device(device)
+    mbs = [micro_batches] if isinstance(micro_batches, Mapping) else list(micro_batches)
     stage = runner.stage
     param = next(stage.parameters(), None)
     dtype = param.dtype if param is not None else torch.float32
     hidden = int(stage.module.config.hidden_size)
-    rows, seq = mb["input_ids"].shape
     gen = torch.Generator().manual_seed(1234)
     fwd: list[float] = []
     bwd: list[float] = []
-    for i in range(repeats + 1):  # the first round warms up allocator and kernels
+    rounds = [(0, mbs[0])] + [(r + 1, mb) for r in range(max(1, repeats)) for mb in mbs]
+    for i, (r, mb) in enumerate(rounds):
+        rows, seq = mb["input_ids"].shape
         runner.begin_step(1.0)
         inp = None
         if not stage.is_first:
@@ -57,13 +60,13 @@ def profile_runner(
         runner.backward((0, -1 - i), grad)
         _sync(device)
         t2 = time.perf_counter()
-        if i:
+        if r:  # round 0 is the warm-up (allocator, kernels, lazy init)
             fwd.append(t1 - t0)
             bwd.append(t2 - t1)
     for p in stage.parameters():
         p.grad = None
     runner.begin_step(1.0)
-    return statistics.median(fwd), statistics.median(bwd)
+    return statistics.fmean(fwd), statistics.fmean(bwd)
 
 
 def problem_from_profiles(
