@@ -118,6 +118,9 @@ class _Receiver:
 
     def _run(self) -> None:
         dev = self.comm.device
+        if dev.type == "cuda":
+            # The current CUDA device is per thread; NCCL must see this rank's device.
+            torch.cuda.set_device(dev)
         while True:
             t = self.jobs.get()
             if t is None:
