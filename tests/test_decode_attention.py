@@ -306,7 +306,7 @@ def _generate(model, ids, mask):
         )
 
 
-def _compare_generation(monkeypatch, expect_kernel: bool):
+def _compare_generation(monkeypatch, expect_kernel: bool, device: str = "cpu"):
     name = register_transformers_attention()
     assert name == ATTENTION_NAME
     calls = []
@@ -317,17 +317,18 @@ def _compare_generation(monkeypatch, expect_kernel: bool):
         return real(*args, **kwargs)
 
     monkeypatch.setattr(_DA, "decode_attention_triton", counting)
-    ids = torch.tensor([[0, 0, 5, 17, 23, 9], [3, 44, 12, 8, 61, 2]])
-    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]])  # left padding
-    ref = _generate(_tiny_llama("sdpa"), ids, mask)
-    model = _tiny_llama(ATTENTION_NAME)
+    ids = torch.tensor([[0, 0, 5, 17, 23, 9], [3, 44, 12, 8, 61, 2]], device=device)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1]], device=device)  # left padding
+    sdpa_model = _tiny_llama("sdpa").to(device)
+    ref = _generate(sdpa_model, ids, mask)
+    model = _tiny_llama(ATTENTION_NAME).to(device)
     got = _generate(model, ids, mask)
     assert torch.equal(got.sequences, ref.sequences)
     for a, b in zip(got.scores, ref.scores, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
     # without padding the mask is None and one page per sequence is used
     got = _generate(model, ids[1:], mask[1:])
-    ref = _generate(_tiny_llama("sdpa"), ids[1:], mask[1:])
+    ref = _generate(sdpa_model, ids[1:], mask[1:])
     assert torch.equal(got.sequences, ref.sequences)
     if expect_kernel:
         # 5 decode steps x 2 layers x 2 generations; prefill goes to SDPA
@@ -345,6 +346,4 @@ def test_transformers_registration_falls_back_on_cpu(monkeypatch):
 def test_kernel_transformers_generation(kernel_device, monkeypatch):
     if kernel_device is None:
         return
-    if kernel_device == "cuda":
-        pytest.skip("the tiny-model comparison runs on CPU (interpreter child)")
-    _compare_generation(monkeypatch, expect_kernel=True)
+    _compare_generation(monkeypatch, expect_kernel=True, device=kernel_device)
