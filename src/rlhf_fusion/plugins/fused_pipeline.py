@@ -85,8 +85,8 @@ class FusedPipelineStrategy(ParallelStrategy):
         actor_layers / critic_layers: decoder layers per stage (default: an even split).
         schedule: a schedule file (``Schedule.save``) or object to run instead of planning.
         solver / solver_time_limit: planner used on the profiled times.
-        profile_repeats: timed rounds over the first batch's micro-batches per stage in the
-            profiling pass (after one warm-up micro-batch).
+        profile_repeats: timed passes over the first batch's micro-batches per stage in the
+            profiling pass (after one warm-up pass; each micro-batch keeps its fastest time).
         schedule_out: where rank 0 writes the schedule it ran (reuse it with ``schedule=``).
         timeout: seconds any wait (activation, gradient, collective) may take before the rank
             raises an error naming what it waited for.
@@ -109,7 +109,7 @@ class FusedPipelineStrategy(ParallelStrategy):
         schedule: str | os.PathLike | Schedule | None = None,
         solver: str = "greedy",
         solver_time_limit: float = 10.0,
-        profile_repeats: int = 1,
+        profile_repeats: int = 2,
         schedule_out: str | os.PathLike | None = None,
         timeout: float = 300.0,
         checkpoint: CheckpointMode = "auto",

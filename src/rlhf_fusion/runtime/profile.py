@@ -26,11 +26,13 @@ def profile_runner(
     repeats: int = 1,
     device: torch.device | str = "cpu",
 ) -> tuple[float, float]:
-    """Mean forward and backward seconds per micro-batch on this stage.
+    """Forward and backward seconds per micro-batch on this stage, averaged over micro-batches.
 
-    Runs one warm-up round, then ``repeats`` rounds over ``micro_batches`` (one micro-batch or
-    a list: their lengths differ, and the planner needs the average). Stages after the first
-    get a random hidden state of the right shape (from a private generator, so the global RNG
+    One untimed pass over ``micro_batches`` warms up (allocator, kernels for each sequence
+    length), then ``repeats`` timed passes; each micro-batch keeps its fastest time (least
+    disturbed by other processes) and the mean over micro-batches is returned, since their
+    lengths differ and the planner takes one number per stage. Stages after the first get a
+    random hidden state of the right shape (from a private generator, so the global RNG
     stream the training relies on is untouched). Gradients the pass leaves are cleared.
     """
     device = torch.device(device)
@@ -40,33 +42,35 @@ def profile_runner(
     dtype = param.dtype if param is not None else torch.float32
     hidden = int(stage.module.config.hidden_size)
     gen = torch.Generator().manual_seed(1234)
-    fwd: list[float] = []
-    bwd: list[float] = []
-    rounds = [(0, mbs[0])] + [(r + 1, mb) for r in range(max(1, repeats)) for mb in mbs]
-    for i, (r, mb) in enumerate(rounds):
-        rows, seq = mb["input_ids"].shape
-        runner.begin_step(1.0)
-        inp = None
-        if not stage.is_first:
-            inp = torch.randn(rows, seq, hidden, generator=gen).to(device=device, dtype=dtype)
-        _sync(device)
-        t0 = time.perf_counter()
-        out = runner.forward((0, -1 - i), inp, mb)
-        _sync(device)
-        t1 = time.perf_counter()
-        grad = None
-        if out is not None:
-            grad = torch.randn(out.shape, generator=gen).to(device=device, dtype=out.dtype)
-        runner.backward((0, -1 - i), grad)
-        _sync(device)
-        t2 = time.perf_counter()
-        if r:  # round 0 is the warm-up (allocator, kernels, lazy init)
-            fwd.append(t1 - t0)
-            bwd.append(t2 - t1)
+    best_f = [float("inf")] * len(mbs)
+    best_b = [float("inf")] * len(mbs)
+    key = 0
+    for r in range(1 + max(1, repeats)):
+        for j, mb in enumerate(mbs):
+            key -= 1
+            rows, seq = mb["input_ids"].shape
+            runner.begin_step(1.0)
+            inp = None
+            if not stage.is_first:
+                inp = torch.randn(rows, seq, hidden, generator=gen).to(device=device, dtype=dtype)
+            _sync(device)
+            t0 = time.perf_counter()
+            out = runner.forward((0, key), inp, mb)
+            _sync(device)
+            t1 = time.perf_counter()
+            grad = None
+            if out is not None:
+                grad = torch.randn(out.shape, generator=gen).to(device=device, dtype=out.dtype)
+            runner.backward((0, key), grad)
+            _sync(device)
+            t2 = time.perf_counter()
+            if r:  # pass 0 is the warm-up
+                best_f[j] = min(best_f[j], t1 - t0)
+                best_b[j] = min(best_b[j], t2 - t1)
     for p in stage.parameters():
         p.grad = None
     runner.begin_step(1.0)
-    return statistics.fmean(fwd), statistics.fmean(bwd)
+    return statistics.fmean(best_f), statistics.fmean(best_b)
 
 
 def problem_from_profiles(
