@@ -231,3 +231,44 @@ def test_qwen2_and_triton_layout_path(model):
     got = run_all(kernel, specs)
     for i, r in got.items():
         assert r.token_ids == plain[i].token_ids
+
+
+def test_long_contexts_cross_the_attention_path_switch(model):
+    """Contexts grow past PADDED_MAX_LEN mid-generation: both decode paths, same tokens."""
+    from rlhf_fusion.rollout.paged import PADDED_MAX_LEN
+
+    specs = [SampleSpec(i, [i + 1] * (3 + i), max_new_tokens=PADDED_MAX_LEN + 10 + 7 * i, seed=2)
+             for i in range(4)]
+    alone = {}
+    for s in specs:
+        alone.update(run_all(ReferenceBackend(model, max_batch_size=1), [s]))
+    batched = run_all(ReferenceBackend(model, max_batch_size=4, block_size=8), specs)
+    moved_src = ReferenceBackend(model, max_batch_size=4)
+    moved_src.submit(specs)
+    for _ in range(PADDED_MAX_LEN - 5):
+        assert not moved_src.step()
+    dst = ReferenceBackend(model, max_batch_size=2)
+    dst.import_samples(moved_src.export_samples([0, 1, 2, 3], mode="kv"))
+    moved = {r.sample_id: r for r in dst.results()}
+    for i, r in alone.items():
+        assert batched[i].token_ids == r.token_ids == moved[i].token_ids
+        assert max(abs(a - b) for a, b in zip(batched[i].logprobs, r.logprobs, strict=True)) < 1e-9
+
+
+def test_pool_gives_each_sample_consecutive_blocks():
+    from rlhf_fusion.rollout.paged import PagedKVPool
+
+    pool = PagedKVPool(1, 1, 2, block_size=4, max_tokens=40)  # 10 blocks
+    a = pool.allocate(9)  # 3 blocks
+    b = pool.allocate(8)
+    c = pool.allocate(12)
+    for blocks in (a, b, c):
+        assert blocks == list(range(blocks[0], blocks[0] + len(blocks)))
+    pool.release(b)
+    assert pool.can_allocate(8) and not pool.can_allocate(9)  # 2 + 1 free, not consecutive
+    with pytest.raises(KVCapacityError, match="consecutive"):
+        pool.allocate(9)
+    pool.release(a)
+    assert pool.allocate(20) == [0, 1, 2, 3, 4]
+    grow = PagedKVPool(1, 1, 2, block_size=4, initial_tokens=8)
+    assert grow.allocate(8) == [0, 1] and grow.allocate(20) == [2, 3, 4, 5, 6]

@@ -251,24 +251,24 @@ class ReferenceBackend:
         assert self.pool is not None
         seqs = self._active
         bs = self.pool.block_size
-        b = len(seqs)
         lens = [s.kv_len for s in seqs]
-        lmax = max(lens) + 1
+        # Blocks of a sample are consecutive (see PagedKVPool.allocate): position p of sample s
+        # sits at flat slot blocks[0] * block_size + p.
+        starts = [s.blocks[0] * bs for s in seqs]
         width = max(len(s.blocks) for s in seqs)
-        table = torch.zeros((b, width), dtype=torch.long)
-        for i, s in enumerate(seqs):
-            table[i, : len(s.blocks)] = torch.as_tensor(s.blocks)
-        new_len = torch.tensor(lens) + 1
-        pos = torch.arange(lmax)
-        valid = pos[None, :] < new_len[:, None]
-        safe = torch.where(valid, pos[None, :], 0)
-        read = table.gather(1, safe // bs) * bs + safe % bs
-        write = read.gather(1, torch.tensor(lens)[:, None])
+        dev = self.device
+        table = None
+        if self._triton is not None:
+            table = torch.tensor([s.blocks + [0] * (width - len(s.blocks)) for s in seqs],
+                                 dtype=torch.int32, device=dev)
         ctx = PagedContext(
-            pool=self.pool, write_slots=write.to(self.device), decode=True,
-            read_slots=read.to(self.device), read_mask=valid.to(self.device),
-            block_table=table.to(device=self.device, dtype=torch.int32),
-            seq_lens=new_len.to(device=self.device, dtype=torch.int32),
+            pool=self.pool,
+            write_slots=torch.tensor([[a + n] for a, n in zip(starts, lens, strict=True)],
+                                     device=dev),
+            decode=True,
+            spans=[(a, n + 1) for a, n in zip(starts, lens, strict=True)],
+            block_table=table,
+            seq_lens=torch.tensor(lens, device=dev, dtype=torch.int32) + 1,
             triton_fn=self._triton,
         )
         ids = torch.tensor([[s.generated[-1]] for s in seqs])

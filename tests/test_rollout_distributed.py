@@ -1,0 +1,89 @@
+"""The streaming coordinator across spawned gloo ranks (2 processes; a few tests, they are slow)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from rlhf_fusion.rollout import RolloutConfigError, SampleSpec
+from rlhf_fusion.rollout.coordinator import (
+    LaunchError,
+    RolloutConfig,
+    TinyJob,
+    check_rollout,
+    launch,
+    tiny_job_worker,
+)
+
+SMALL = dict(vocab_size=64, hidden_size=32, layers=2, heads=4, kv_heads=2)
+# Ids alternate between the two ranks; each rank gets two long-tail samples.
+TAIL = {2: 60, 3: 55, 4: 45, 7: 50}
+SPECS = [SampleSpec(i, [(7 * i) % 64, 1, 2][: 1 + i % 3], max_new_tokens=TAIL.get(i, 2 + i % 5),
+                    seed=21, stop_token_ids=(9,) if i == 11 else ()) for i in range(16)]
+
+
+def job(configs, **kw):
+    return TinyJob(specs=SPECS, configs=configs, actor=dict(SMALL, seed=1),
+                   ref=dict(SMALL, seed=2), reward=dict(SMALL, seed=3),
+                   critic=dict(SMALL, seed=4), bs_max=8, micro_batch=3, **kw)
+
+
+def test_two_ranks_fused_equals_serial_for_both_mechanisms():
+    configs = [RolloutConfig(fused=False), RolloutConfig(rt=6, mechanism="kv"),
+               RolloutConfig(rt=6, mechanism="tokens", report_every=1)]
+    out = launch(tiny_job_worker, 2, job(configs), timeout_s=60)
+    serial = out[0][0]["output"]
+    assert [e.sample_id for e in serial.experiences] == list(range(16))
+    for k, mech in ((1, "kv"), (2, "tokens")):
+        fused = out[0][k]["output"]
+        ranks = fused.stats["ranks"]
+        assert {st["mechanism"] for st in ranks} == {mech}
+        moved = ranks[0]["moved"]
+        assert moved, "the long tail of the freed rank must migrate"
+        dest = ranks[0]["destinations"]
+        assert len(dest) == 1 and all(r.migrated == (r.sample_id in moved) for r in fused.results)
+        assert sum(st["scored"] for st in ranks) == 16
+        assert [e.sample_id for e in fused.experiences] == list(range(16))
+        for a, b in zip(serial.experiences, fused.experiences, strict=True):
+            assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+            for f in ("logprobs", "ref_logprobs", "values"):
+                assert torch.max(torch.abs(getattr(a, f) - getattr(b, f))).item() < 1e-5
+            assert abs(a.reward - b.reward) < 1e-5
+        # Freed rank started inference before the destination finished generating.
+        freed = 1 - dest[0]
+        assert ranks[freed]["inference_start_s"] < ranks[dest[0]]["generation_end_s"]
+
+
+def test_destination_dying_during_migration_is_a_clear_error_within_the_timeout():
+    cfg = RolloutConfig(rt=8, mechanism="kv", timeout_s=8,
+                        inject_fault="kill_destination_during_migration")
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(tiny_job_worker, 2, job([cfg], warmup=False), timeout_s=8)
+    elapsed = time.monotonic() - t0
+    errors = info.value.errors
+    dead = [r for r, e in errors.items() if "exited with code 17" in e]
+    assert len(dead) == 1, errors
+    (alive,) = [r for r in errors if r not in dead]
+    msg = errors[alive]
+    assert msg.startswith("MigrationError") and f"destination rank {dead[0]}" in msg, msg
+    assert "acknowledge" in msg and "died or hung" in msg
+    assert elapsed < 8 + 60  # the timeout plus process start-up, never a hang
+
+
+def test_bad_configurations_are_rejected_before_any_process_starts():
+    with pytest.raises(RolloutConfigError, match="outside the batch"):
+        check_rollout(SPECS, RolloutConfig(rt=17), 2, bs_max=8)
+    with pytest.raises(RolloutConfigError, match="lower R_t to at most 8"):
+        check_rollout(SPECS, RolloutConfig(rt=9), 2, bs_max=8)
+    with pytest.raises(RolloutConfigError, match="m=2 destinations leave none"):
+        check_rollout(SPECS, RolloutConfig(rt=4, m=2), 2, bs_max=8)
+    with pytest.raises(RolloutConfigError, match="raise the KV capacity"):
+        check_rollout(SPECS, RolloutConfig(rt=4, kv_capacity_tokens=32), 2, bs_max=8)
+    with pytest.raises(RolloutConfigError, match="rt_fraction"):
+        check_rollout(SPECS, RolloutConfig(rt_fraction=1.5), 2, bs_max=8)
+    with pytest.raises(RolloutConfigError, match="set rt"):
+        check_rollout(SPECS, RolloutConfig(), 2, bs_max=8)
+    assert check_rollout(SPECS, RolloutConfig(rt_fraction=0.25), 2, bs_max=8) == 1
