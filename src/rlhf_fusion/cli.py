@@ -128,12 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--time-limit", type=float, default=20.0)
     d.set_defaults(func=cmd_demo)
 
-    try:
-        from .rollout.cli import register as register_rollout
-    except ImportError:
-        register_rollout = None
-    if register_rollout is not None:
-        register_rollout(sub)
+    from .rollout.cli import add_plan_migration_parser, run_plan_migration
+
+    m = sub.add_parser("plan-migration", help="simulate long-tail migration and choose R_t and m")
+    add_plan_migration_parser(m)
+    m.set_defaults(func=run_plan_migration)
     return parser
 
 

@@ -84,6 +84,7 @@ def solve_cpsat(
     memory_cap: Sequence[float] | None = None,
     inflight: dict[tuple[int, int, int], int] | None = None,
     hint_order: IdOrder | None = None,
+    repair_hint: bool = False,
     workers: int = 1,
     seed: int = 0,
     on_solution: Callable[[float], None] | None = None,
@@ -210,6 +211,10 @@ def solve_cpsat(
     solver.parameters.max_time_in_seconds = max(0.05, time_limit)
     solver.parameters.num_workers = max(1, workers)
     solver.parameters.random_seed = seed
+    if repair_hint and hint_order is not None:
+        # The hint breaks the new constraint (a tighter capacity) only slightly: repair it.
+        solver.parameters.repair_hint = True
+        solver.parameters.hint_conflict_limit = 100_000
     unit = scale if minimize == "makespan" else mem_scale
 
     class _Progress(cp_model.CpSolverSolutionCallback):
@@ -233,73 +238,84 @@ def solve_cpsat(
     )
 
 
-def solve_window(
+def solve_time_window(
     cp: CompiledProblem,
     order: IdOrder,
-    window: Sequence[int],
+    t_lo: float,
+    t_hi: float,
     *,
     makespan: float,
     time_limit: float,
     caps: Sequence[float] | None = None,
     workers: int = 1,
     seed: int = 0,
-) -> tuple[IdOrder, float] | None:
-    """Reorder the groups in ``window`` to minimise their peak; every other group keeps its order.
+) -> IdOrder | None:
+    """Re-time the tasks that start inside [t_lo, t_hi); every other task keeps its start.
 
-    A group's peak depends only on its own order, so the groups outside the window keep their
-    peaks exactly; the makespan is held at ``makespan``. Returns (new order, window peak) or
-    None when nothing was found in time.
+    Minimises the sum of the groups' peaks (exact cumulative per group), so a reduction on any
+    one group counts, and never lets a group's peak exceed the current global peak.
     """
     from ortools.sat.python import cp_model
 
+    res = cp.simulate(order)
+    if res is None:
+        return None
     scale = integer_scale(cp.duration)
     dur = [round(d * scale) for d in cp.duration]
     mem_scale = integer_scale([abs(m) for m in cp.mem])
     act = [round(abs(m) * mem_scale) for m in cp.mem]
     horizon = math.floor(makespan * scale + 1e-6)
+    cur = [round((res[1][t] - cp.duration[t]) * scale) for t in range(len(cp.tasks))]
+    lo, hi = round(t_lo * scale), round(t_hi * scale)
+    free = [lo <= cur[t] < hi for t in range(len(cp.tasks))]
     n = len(cp.tasks)
-    inside = set(window)
-
     model = cp_model.CpModel()
-    start = [model.NewIntVar(0, max(0, horizon - dur[t]), f"s{t}") for t in range(n)]
+    start = [
+        model.NewIntVar(0, max(0, horizon - dur[t]), f"s{t}") if free[t] else model.NewConstant(cur[t])
+        for t in range(n)
+    ]
     end = [start[t] + dur[t] for t in range(n)]
     for t in range(n):
-        if cp.pred[t] >= 0:
-            model.Add(start[t] >= end[cp.pred[t]])
-    for g, tasks in enumerate(order):
-        if g not in inside:
-            for a, b in zip(tasks, tasks[1:]):
-                model.Add(start[b] >= end[a])
+        p = cp.pred[t]
+        if p >= 0 and (free[t] or free[p]):
+            model.Add(start[t] >= end[p])
     lanes = _lanes(cp)
     for lane in lanes.values():
-        if cp.group[lane[0]] in inside:
-            for a, b in zip(lane, lane[1:]):
+        for a, b in zip(lane, lane[1:]):
+            if free[a] or free[b]:
                 model.Add(start[b] >= end[a])
+    top = math.floor(cp.peak(order) * mem_scale + 1e-6)
+    groups: list[list[int]] = [[] for _ in range(cp.num_groups)]
+    for t in range(n):
+        groups[cp.group[t]].append(t)
     bwd = {}
     for t, task in enumerate(cp.tasks):
         if task.op == "B":
             bwd[(task.model, task.copy, task.stage, task.micro_batch)] = t
-    peak = model.NewIntVar(0, sum(act), "peak")
-    for g in window:
-        tasks = order[g]
+    peaks = []
+    for g, tasks in enumerate(groups):
+        # Fixed tasks stay in the no-overlap and the cumulative: they are constants after
+        # presolve, and leaving them out lets free tasks slide over them.
         model.AddNoOverlap([model.NewFixedSizeIntervalVar(start[t], dur[t], f"i{t}") for t in tasks])
         ivs, dem = [], []
         for t in tasks:
             task = cp.tasks[t]
-            if task.op == "F" and act[t] > 0:
-                b = bwd[(task.model, task.copy, task.stage, task.micro_batch)]
-                size = model.NewIntVar(dur[t], horizon, f"m{t}")
-                ivs.append(model.NewIntervalVar(start[t], size, end[b], f"a{t}"))
-                dem.append(act[t])
+            if task.op != "F" or act[t] == 0:
+                continue
+            b = bwd[(task.model, task.copy, task.stage, task.micro_batch)]
+            size = model.NewIntVar(dur[t], horizon, f"m{t}")
+            ivs.append(model.NewIntervalVar(start[t], size, end[b], f"a{t}"))
+            dem.append(act[t])
+        pg = model.NewIntVar(0, top, f"p{g}")
+        cap = top if caps is None else min(top, math.floor(caps[g] * mem_scale + 1e-6))
+        model.Add(pg <= cap)
         if ivs:
-            model.AddCumulative(ivs, dem, peak)
-            if caps is not None:
-                model.Add(peak <= math.floor(caps[g] * mem_scale + 1e-6))
-    model.Minimize(peak)
-    res = cp.simulate(order)
-    if res is not None:
-        for t in range(n):
-            model.AddHint(start[t], round((res[1][t] - cp.duration[t]) * scale))
+            model.AddCumulative(ivs, dem, pg)
+        peaks.append(pg)
+    model.Minimize(sum(peaks))
+    for t in range(n):
+        if free[t]:
+            model.AddHint(start[t], cur[t])
     solver = cp_model.CpSolver()
     solver.parameters.max_time_in_seconds = max(0.05, time_limit)
     solver.parameters.num_workers = max(1, workers)
@@ -307,10 +323,4 @@ def solve_window(
     status = solver.Solve(model)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None
-    starts = [solver.Value(s) for s in start]
-    new = order_from_starts(cp, starts)
-    # Groups outside the window keep their exact order (ties in start times cannot reorder
-    # them: consecutive tasks there are chained).
-    return [new[g] if g in inside else list(order[g]) for g in range(len(order))], (
-        solver.ObjectiveValue() / mem_scale
-    )
+    return order_from_starts(cp, [solver.Value(s) for s in start])

@@ -1,22 +1,30 @@
 """The memory pass: lower peak activation memory without letting the makespan grow.
 
-First one exact round over all groups (cumulative memory, makespan held) for half the budget,
-then large-neighbourhood search over groups: the groups at the current peak form the window; every
-other group keeps its order (so its peak cannot change) and CP-SAT reorders the window to
-minimise its peak with the makespan held. When a window cannot improve, it grows by the
-neighbouring groups that feed it.
+Two moves, in this order:
+
+1. Capacity rungs. Concatenated 1F1B holds exactly the serial 1F1B peak on every group, so it
+   is a valid start under any capacity at or above that peak. For rungs of capacity from the
+   serial peak upwards, CP-SAT minimises the makespan under the exact (cumulative) capacity
+   starting from the best schedule that fits; the first rung that gets back to the held
+   makespan wins. Starting from a schedule that already fits turns a hard feasibility question
+   into an easy improvement search.
+2. Time-window neighbourhoods. Tasks starting inside a window around the current peak are
+   re-timed with everything else fixed, minimising the sum of the groups' peaks. It polishes
+   whatever schedule the rungs leave.
 """
 
 from __future__ import annotations
 
+import random
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from .cpsat import solve_window
+from .cpsat import solve_cpsat, solve_time_window
 from .evaluate import CompiledProblem, IdOrder
 
 _EPS = 1e-9
+RUNGS = (1.0, 1.1, 1.25, 1.5, 2.0)
 
 
 def reduce_peak(
@@ -25,47 +33,67 @@ def reduce_peak(
     *,
     makespan: float,
     seconds: float,
+    fallback: IdOrder,
+    serial_peak: float,
     caps: Sequence[float] | None = None,
     workers: int = 1,
     seed: int = 0,
     stats: dict[str, Any] | None = None,
-    max_window: int = 4,
 ) -> IdOrder:
+    """Return an order with makespan <= ``makespan`` and the lowest peak found in ``seconds``.
+
+    ``fallback`` is an order whose every group peak is at most ``serial_peak`` (concatenated
+    1F1B), used to seed the capacity rungs.
+    """
     deadline = time.perf_counter() + seconds
     best = [list(g) for g in order]
-    n_groups = len(best)
-    rounds = 1
-    res = solve_window(
-        cp, best, range(n_groups), makespan=makespan, time_limit=seconds / 2, caps=caps,
-        workers=workers, seed=seed,
-    )
-    if res is not None:
-        ms = cp.makespan(res[0])
-        if ms is not None and ms <= makespan + _EPS and cp.peak(res[0]) < cp.peak(best) - _EPS:
-            best = res[0]
-    width = 0  # extra neighbours added around the peak groups
-    while time.perf_counter() < deadline - 0.2:
-        peaks = cp.group_peaks(best)
-        top = max(peaks)
-        window = {g for g, p in enumerate(peaks) if p >= top - _EPS}
-        for _ in range(width):
-            window |= {h for g in window for h in (g - 1, g + 1) if 0 <= h < n_groups}
-        if len(window) > max(max_window, sum(p >= top - _EPS for p in peaks)) and width > 0:
+    log: list[dict[str, Any]] = []
+    user_caps = list(caps) if caps is not None else [float("inf")] * cp.num_groups
+
+    # 1) Capacity rungs, lowest first; a rung's best schedule seeds the next (it fits there too).
+    seed_order = fallback if cp.fits(fallback, [serial_peak + _EPS] * cp.num_groups) else None
+    rungs = [r for r in RUNGS if r * serial_peak < cp.peak(best) - _EPS]
+    rung_share = 0.75 * seconds
+    for i, r in enumerate(rungs):
+        left = deadline - time.perf_counter()
+        if seed_order is None or left < 0.5:
             break
-        budget = min(deadline - time.perf_counter(), max(2.0, seconds / 6))
-        rounds += 1
-        res = solve_window(
-            cp, best, sorted(window), makespan=makespan, time_limit=budget, caps=caps,
-            workers=workers, seed=seed + rounds,
+        budget = min(left, rung_share / len(rungs) * (1 + i))
+        cap = [min(r * serial_peak, u) for u in user_caps]
+        res = solve_cpsat(
+            cp, time_limit=budget, lower_bound=makespan, memory_cap=cap, hint_order=seed_order,
+            workers=workers, seed=seed + i,
         )
-        if res is not None:
-            cand, _ = res
-            ms = cp.makespan(cand)
-            if ms is not None and ms <= makespan + _EPS and max(cp.group_peaks(cand)) < top - _EPS:
-                best = cand
-                width = 0
-                continue
-        width += 1
+        got = None if res.order is None else cp.makespan(res.order)
+        log.append({"rung": r, "status": res.status, "makespan": got,
+                    "seconds": round(res.seconds, 2)})
+        if res.order is not None and cp.fits(res.order, cap):
+            seed_order = res.order
+            if got is not None and got <= makespan + _EPS and cp.peak(res.order) < cp.peak(best):
+                best = res.order
+                break
+
+    # 2) Time-window polishing around the peak.
+    rng = random.Random(seed)
+    ms = cp.makespan(best) or makespan
+    width = ms / 4
+    rounds = 0
+    while time.perf_counter() < deadline - 0.3:
+        rounds += 1
+        lo = rng.uniform(-width / 2, ms - width / 2)
+        cand = solve_time_window(
+            cp, best, lo, lo + width, makespan=makespan,
+            time_limit=min(5.0, deadline - time.perf_counter()), caps=caps, workers=workers,
+            seed=seed + rounds,
+        )
+        if cand is None:
+            continue
+        cm = cp.makespan(cand)
+        if cm is None or cm > makespan + _EPS or not cp.fits(cand, caps):
+            continue
+        if (cp.peak(cand), sum(cp.group_peaks(cand))) < (cp.peak(best), sum(cp.group_peaks(best)) - _EPS):
+            best = cand
     if stats is not None:
-        stats["memory_pass"] = {"rounds": rounds, "peak_activation": round(cp.peak(best), 6)}
+        stats["memory_pass"] = {"rungs": log, "window_rounds": rounds,
+                                "peak_activation": round(cp.peak(best), 6)}
     return best

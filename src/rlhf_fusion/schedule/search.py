@@ -83,12 +83,14 @@ def search(
 
     if solver in ("cpsat", "auto"):
         best_ms = cp.makespan(best) if start_valid else float("inf")
-        phase1 = remaining() * (0.6 if memory_pass else 1.0)
+        # The bound is the goal, so its feasibility check gets the largest share; it stops as
+        # soon as it finds a schedule.
         t_phase = time.perf_counter()
+        phase1 = remaining() * (0.7 if memory_pass else 1.0)
         # 1) Is the lower bound reachable?
         if best_ms > lower_bound + 1e-9:
             r = solve_cpsat(
-                cp, time_limit=phase1 * 0.6, lower_bound=lower_bound, makespan_cap=lower_bound,
+                cp, time_limit=phase1 * 0.7, lower_bound=lower_bound, makespan_cap=lower_bound,
                 memory_cap=caps, hint_order=best if start_valid else None, workers=workers, seed=seed,
             )
             stats["cpsat_at_bound"] = r.status
@@ -122,9 +124,11 @@ def search(
         if memory_pass and remaining() > 0.5:
             from .memory import reduce_peak
 
+            fallback = cp.ids(concatenated_1f1b(problem))
+            serial_peak = max(cp.group_peaks(fallback))
             best = reduce_peak(
-                cp, best, makespan=best_ms, seconds=remaining(), caps=caps, workers=workers,
-                seed=seed, stats=stats,
+                cp, best, makespan=best_ms, seconds=remaining(), fallback=fallback,
+                serial_peak=serial_peak, caps=caps, workers=workers, seed=seed, stats=stats,
             )
             note("memory", best)
     if not start_valid:
