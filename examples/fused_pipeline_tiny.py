@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
+import tempfile
 import time
 
 import lightning.pytorch as pl
@@ -140,7 +142,11 @@ def main() -> None:
     ap.add_argument("--micro-batches", type=int, default=4)
     ap.add_argument("--ppo-epochs", type=int, default=2)
     ap.add_argument("--schedule", default=None, help="schedule JSON to run instead of planning")
-    ap.add_argument("--schedule-out", default="fused_pipeline_tiny_schedule.json")
+    ap.add_argument(
+        "--schedule-out",
+        default=os.path.join(tempfile.gettempdir(), "fused_pipeline_tiny_schedule.json"),
+        help="where to write the schedule the planner made from the profiling pass",
+    )
     args = ap.parse_args()
 
     torch.manual_seed(0)
