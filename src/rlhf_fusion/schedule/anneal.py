@@ -154,6 +154,8 @@ def anneal(
 ) -> AnnealResult:
     """Anneal from ``start`` with one seed per worker process; the best (makespan, peak) wins."""
     workers = max(1, workers or os.cpu_count() or 1)
+    if multiprocessing.current_process().daemon:
+        workers = 1  # daemonic processes (e.g. a pipeline rank) cannot have children
     if workers == 1:
         return anneal_once(cp, start, seconds=seconds, seed=seed, memory_fraction=memory_fraction, caps=caps)
     jobs = [(problem, start, seconds, seed + i, memory_fraction, caps) for i in range(workers)]
