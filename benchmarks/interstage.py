@@ -59,6 +59,63 @@ def make_specs(n: int, median: float, sigma: float, max_len: int, prompt_len: in
     return specs, lengths
 
 
+def calibrate(args: argparse.Namespace, actor: dict, scorer: dict, lengths: np.ndarray) -> dict:
+    """Measure this machine's costs in the simulator's terms, then let the planner pick R_t.
+
+    Decode steps at several batch sizes and context lengths are fitted to
+    ``base + per_sample * b + per_kv_token * K``; scoring time to ``per_token * tokens``.
+    """
+    import torch
+
+    from rlhf_fusion.rollout.coordinator import _cfg
+    from rlhf_fusion.rollout.inference import InferenceModels
+    from rlhf_fusion.rollout.models import build_causal_lm, build_value_model
+    from rlhf_fusion.rollout.planning import ClusterModel
+    from rlhf_fusion.rollout.reference import ReferenceBackend
+    from rlhf_fusion.rollout.types import SampleResult
+
+    torch.set_num_threads(1)
+    acfg, aseed = _cfg(actor)
+    backend = ReferenceBackend(build_causal_lm(acfg, aseed), max_batch_size=args.samples)
+    rows, times = [], []
+    sid = 0
+    for b, steps in ((1, 160), (4, 160), (16, 120), (32, 60)):
+        backend.submit([SampleSpec(sid + i, [1] * args.prompt_len, max_new_tokens=steps)
+                        for i in range(b)])
+        sid += b
+        backend.step()  # prefill
+        for j in range(1, steps - 1):
+            t = time.perf_counter()
+            backend.step()
+            times.append(time.perf_counter() - t)
+            rows.append([1.0, b, b * (args.prompt_len + j)])
+        list(backend.results())
+    coef, *_ = np.linalg.lstsq(np.array(rows), np.array(times), rcond=None)
+    base, per_sample, per_kv = (max(float(c), 0.0) for c in coef)
+    scfg, sseed = _cfg(dict(scorer, seed=2))
+    inf = InferenceModels(build_causal_lm(scfg, sseed), build_value_model(scfg, sseed + 1),
+                          build_value_model(scfg, sseed + 2), micro_batch=args.micro_batch)
+    fake = [SampleResult(i, (1,) * args.prompt_len, (2,) * int(n), (0.0,) * int(n), "length")
+            for i, n in enumerate(lengths[:32])]
+    inf.score(fake[:2])
+    t = time.perf_counter()
+    inf.score(fake)
+    per_token = (time.perf_counter() - t) / sum(args.prompt_len + len(f.token_ids) for f in fake)
+    t = time.perf_counter()
+    backend.submit([SampleSpec(10**6, [1] * 64, max_new_tokens=1)])
+    list(backend.results())
+    prefill = (time.perf_counter() - t) / 64
+    cluster = ClusterModel(
+        instances=2, bs_max=args.samples, step_base_s=base, step_per_sample_s=per_sample,
+        step_per_kv_token_s=per_kv, prefill_per_token_s=prefill, infer_per_token_s=per_token,
+        kv_bytes_per_token=backend.kv_bytes_per_token, bandwidth_bytes_s=1e9, latency_s=1e-3,
+        prompt_len=args.prompt_len)
+    plan = plan_migration(LengthDistribution(lengths), cluster, args.samples, trials=8,
+                          seed=args.seed)
+    return {"cluster": cluster.to_dict(), "plan": plan.to_dict(), "rt_fraction": plan.fraction,
+            "predicted_serial_s": plan.serial_s, "predicted_fused_s": plan.fused_s}
+
+
 def compare(serial, fused) -> dict[str, float]:
     worst = {"logprobs": 0.0, "ref_logprobs": 0.0, "values": 0.0, "reward": 0.0}
     for a, b in zip(serial.experiences, fused.experiences, strict=True):
@@ -94,26 +151,37 @@ def measure(args: argparse.Namespace) -> dict:
     actor = dict(vocab_size=args.vocab, hidden_size=64, layers=2, heads=4, kv_heads=2, seed=1)
     scorer = dict(vocab_size=args.vocab, hidden_size=args.infer_hidden, layers=args.infer_layers,
                   heads=4, kv_heads=4)
-    serial = RolloutConfig(fused=False, timeout_s=300)
-    fused = RolloutConfig(fused=True, rt_fraction=args.rt_fraction, mechanism=args.mechanism,
-                          timeout_s=300)
-    job = TinyJob(specs=specs, configs=[serial, fused] * args.repeats, actor=actor,
+    calib = None
+    rt_fraction = args.rt_fraction
+    if rt_fraction is None:
+        calib = calibrate(args, actor, scorer, lengths)
+        rt_fraction = calib["rt_fraction"]
+    modes = {
+        "serial": RolloutConfig(fused=False, timeout_s=300),
+        "fused": RolloutConfig(fused=True, rt_fraction=rt_fraction, mechanism=args.mechanism,
+                               timeout_s=300),
+    }
+    if args.also_rt is not None:
+        modes[f"fused, R_t={args.also_rt:.0%}"] = RolloutConfig(
+            fused=True, rt_fraction=args.also_rt, mechanism=args.mechanism, timeout_s=300)
+    names = list(modes)
+    job = TinyJob(specs=specs, configs=list(modes.values()) * args.repeats, actor=actor,
                   ref=dict(scorer, seed=2), reward=dict(scorer, seed=3),
                   critic=dict(scorer, seed=4), bs_max=args.samples, micro_batch=args.micro_batch)
     t0 = time.perf_counter()
     out = launch(tiny_job_worker, 2, job, timeout_s=300)
     total = time.perf_counter() - t0
     runs = out[0]
-    walls = {"serial": [], "fused": []}
-    stages = {"serial": [], "fused": []}
+    walls: dict[str, list[float]] = {n: [] for n in names}
+    stages: dict[str, list[dict]] = {n: [] for n in names}
     worst: dict[str, float] = {}
     ref = runs[0]["output"]
     for i, run in enumerate(runs):
-        mode = "serial" if i % 2 == 0 else "fused"
+        mode = names[i % len(names)]
         # The stage ends when the last rank has the assembled batch.
         walls[mode].append(max(r[i]["wall_s"] for r in out))
         stages[mode].append(stage_times(run))
-        if mode == "fused":
+        if mode != "serial":
             for k, v in compare(ref, run["output"]).items():
                 worst[k] = max(worst.get(k, 0.0), v)
     med = {k: statistics.median(v) for k, v in walls.items()}
@@ -128,15 +196,18 @@ def measure(args: argparse.Namespace) -> dict:
                         "mean": float(lengths.mean())},
             "actor": actor, "ref_reward_critic": scorer, "bs_max": args.samples,
             "micro_batch": args.micro_batch, "dtype": "float64",
-            "rt_fraction": args.rt_fraction, "mechanism": args.mechanism,
+            "rt_fraction": rt_fraction, "rt_chosen_by": "planner on calibrated costs"
+            if calib else "--rt-fraction", "mechanism": args.mechanism,
             "repeats": args.repeats,
         },
         "wall_s": walls, "median_wall_s": med, "speedup": med["serial"] / med["fused"],
+        "speedups": {n: med["serial"] / med[n] for n in names if n != "serial"},
         "stages": stages,
         "serial_generation_s": serial_gen,
         "serial_inference_s": med["serial"] - serial_gen,
         "max_abs_diff_fused_vs_serial": worst,
         "launch_total_s": total,
+        "calibration": calib,
     }
 
 
@@ -170,24 +241,43 @@ def markdown(res: dict) -> str:
         f"p99 {w['lengths']['p99']:.0f} ({w['lengths']['p99_over_median']:.1f}x the median), "
         f"max {w['lengths']['max']}. Actor Llama hidden 64 x 2 layers; Ref/Reward/Critic "
         f"hidden {w['ref_reward_critic']['hidden_size']} x {w['ref_reward_critic']['layers']} "
-        f"layers; float64; R_t = {w['rt_fraction']:.0%} of the batch, mechanism "
-        f"`{w['mechanism']}`. {w['repeats']} alternating runs of each mode in one launch.",
+        f"layers; float64; R_t = {w['rt_fraction']:.0%} of the batch ({w['rt_chosen_by']}), "
+        f"mechanism `{w['mechanism']}`. {w['repeats']} alternating runs of each mode in one "
+        "launch.",
         "",
         "| mode | wall time per run (s) | median (s) |",
         "|---|---|---|",
     ]
-    for mode in ("serial", "fused"):
+    for mode in m["wall_s"]:
         runs = ", ".join(f"{x:.3f}" for x in m["wall_s"][mode])
-        lines.append(f"| {mode} | {runs} | {m['median_wall_s'][mode]:.3f} |")
+        label = mode if mode != "fused" else f"fused, R_t={w['rt_fraction']:.0%} (planner)"
+        sp = "" if mode == "serial" else f" ({m['speedups'][mode]:.2f}x)"
+        lines.append(f"| {label} | {runs} | {m['median_wall_s'][mode]:.3f}{sp} |")
     d = m["max_abs_diff_fused_vs_serial"]
     lines += [
         "",
-        f"**Speedup (median serial / median fused): {m['speedup']:.2f}x.** Serial breakdown: "
+        f"**Speedup (median serial / median fused at the planner's R_t): "
+        f"{m['speedup']:.2f}x.** Serial breakdown: "
         f"generation {m['serial_generation_s']:.3f} s, inference {m['serial_inference_s']:.3f} s.",
         f"Every fused batch equals the serial one: same tokens; max |diff| logprobs "
         f"{d['logprobs']:.1e}, ref logprobs {d['ref_logprobs']:.1e}, values "
         f"{d['values']:.1e}, rewards {d['reward']:.1e}.",
         "",
+    ]
+    if m.get("calibration"):
+        c = m["calibration"]
+        cl = c["cluster"]
+        lines += [
+            f"Calibration on this machine: decode step {1e3 * cl['step_base_s']:.2f} ms "
+            f"+ {1e6 * cl['step_per_sample_s']:.0f} us/sample + "
+            f"{1e9 * cl['step_per_kv_token_s']:.0f} ns/KV token; scoring "
+            f"{1e6 * cl['infer_per_token_s']:.0f} us/token. The simulator predicts serial "
+            f"{c['predicted_serial_s']:.2f} s, fused {c['predicted_fused_s']:.2f} s "
+            f"({c['predicted_serial_s'] / c['predicted_fused_s']:.2f}x) and picks "
+            f"R_t = {c['rt_fraction']:.0%}.",
+            "",
+        ]
+    lines += [
         f"## Simulated: R_t sweep, preset `{s['preset']}`",
         "",
         f"{s['description']}; response lengths lognormal median {s['lengths']['median']}, "
@@ -224,10 +314,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-len", type=int, default=512)
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--vocab", type=int, default=256)
-    ap.add_argument("--infer-hidden", type=int, default=256)
+    ap.add_argument("--infer-hidden", type=int, default=160)
     ap.add_argument("--infer-layers", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, default=4)
-    ap.add_argument("--rt-fraction", type=float, default=0.25)
+    ap.add_argument("--rt-fraction", type=float, default=None,
+                    help="R_t as a fraction of the batch (default: the planner's choice from "
+                         "costs calibrated on this machine)")
+    ap.add_argument("--also-rt", type=float, default=0.25,
+                    help="also measure fused at this fixed R_t fraction (negative: skip)")
     ap.add_argument("--mechanism", default="kv", choices=["kv", "tokens"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--preset", default="llama13b-h100x64", choices=sorted(PRESETS))
@@ -235,6 +329,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-write", action="store_true", help="print only (for trying settings)")
     args = ap.parse_args(argv)
+    if args.also_rt is not None and args.also_rt <= 0:
+        args.also_rt = None
     measured = measure(args)
     simulated = simulate(args)
     res = {

@@ -73,6 +73,24 @@ def test_destination_dying_during_migration_is_a_clear_error_within_the_timeout(
     assert elapsed < 8 + 60  # the timeout plus process start-up, never a hang
 
 
+def test_destination_dying_while_streaming_is_detected_by_the_freed_rank():
+    cfg = RolloutConfig(rt=8, mechanism="kv", timeout_s=4, heartbeat_s=0.2,
+                        inject_fault="kill_destination_while_streaming")
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(tiny_job_worker, 2, job([cfg], warmup=False), timeout_s=4)
+    errors = info.value.errors
+    dead = [r for r, e in errors.items() if "exited with code 18" in e]
+    assert len(dead) == 1, errors
+    (alive,) = [r for r in errors if r not in dead]
+    msg = errors[alive]
+    assert msg.startswith("CoordinatorTimeout"), msg
+    # rank 0 also serves the c10d store, so its death shows up as a lost store instead
+    want = "sent no heartbeat" if dead[0] != 0 else "lost the c10d store (served by rank 0)"
+    assert want in msg and "died" in msg, msg
+    assert time.monotonic() - t0 < 4 + 60
+
+
 def test_bad_configurations_are_rejected_before_any_process_starts():
     with pytest.raises(RolloutConfigError, match="outside the batch"):
         check_rollout(SPECS, RolloutConfig(rt=17), 2, bs_max=8)
@@ -87,3 +105,21 @@ def test_bad_configurations_are_rejected_before_any_process_starts():
     with pytest.raises(RolloutConfigError, match="set rt"):
         check_rollout(SPECS, RolloutConfig(), 2, bs_max=8)
     assert check_rollout(SPECS, RolloutConfig(rt_fraction=0.25), 2, bs_max=8) == 1
+
+
+@pytest.mark.slow
+def test_three_ranks_every_survivor_reports_the_dead_destination():
+    """m = 1 of 3 ranks: sources see a missing acknowledgement; a freed rank with nothing to
+    send sees the destination's heartbeat stop (or the store go away with rank 0)."""
+    cfg = RolloutConfig(rt=8, mechanism="tokens", timeout_s=6,
+                        inject_fault="kill_destination_during_migration")
+    t0 = time.monotonic()
+    with pytest.raises(LaunchError) as info:
+        launch(tiny_job_worker, 3, job([cfg], warmup=False), timeout_s=6)
+    errors = info.value.errors
+    dead = [r for r, e in errors.items() if "exited with code 17" in e]
+    assert len(dead) == 1 and len(errors) == 3, errors
+    for rank, msg in errors.items():
+        if rank != dead[0]:
+            assert "died or hung" in msg or "rank 0 died" in msg, msg
+    assert time.monotonic() - t0 < 6 + 90

@@ -147,7 +147,7 @@ def test_fused_simulation_overlaps_inference_with_the_tail():
 def test_large_preset_curve_is_u_shaped():
     preset = PRESETS["llama13b-h100x64"]
     dist = LengthDistribution.lognormal(preset.median_len, preset.sigma, max_len=preset.max_len)
-    plan = plan_migration(dist, preset.cluster, preset.batch_size, trials=2)
+    plan = plan_migration(dist, preset.cluster, preset.batch_size, trials=2, tolerance=0.0)
     feasible = plan.sweep.feasible
     times = [p.fused_s for p in feasible]
     best = times.index(min(times))
@@ -156,6 +156,16 @@ def test_large_preset_curve_is_u_shaped():
     assert all(p.serial_s > p.fused_s for p in feasible[1:])
     assert any(not math.isfinite(p.fused_s) for p in plan.sweep.points)  # m >= n at the top
     assert plan.rt == feasible[best].rt and 1.1 < plan.speedup < 2.0
+
+
+def test_tolerance_prefers_fewer_migrations_on_a_flat_curve():
+    from rlhf_fusion.rollout.planning import SweepPoint, SweepResult
+
+    sweep = SweepResult(100, [SweepPoint(10, 0.1, 1, 10.0, 12.0, "kv"),
+                              SweepPoint(20, 0.2, 1, 9.95, 12.0, "kv"),
+                              SweepPoint(30, 0.3, 1, 9.9, 12.0, "kv"),
+                              SweepPoint(40, 0.4, 2, math.inf, 12.0, "-")])
+    assert sweep.best.rt == 30 and sweep.choose(0.01).rt == 20 and sweep.choose(0.02).rt == 10
 
 
 def test_grid_spans_5_to_95_percent():

@@ -28,13 +28,14 @@ the last sample ends), score the own shard, assemble. Same models, same numbers.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import socket
 import time
 import traceback
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
@@ -72,7 +73,7 @@ from .wire import header, pack_tickets, unpack_tickets
 
 _TAG_TICKETS = 1100  # +0 header, +1 ints, +2 floats
 _TAG_ACK = 1110
-FAULTS = ("kill_destination_during_migration",)
+FAULTS = ("kill_destination_during_migration", "kill_destination_while_streaming")
 
 
 @dataclass(frozen=True)
@@ -166,6 +167,21 @@ class _Rank:
                 f"{self.cfg.timeout_s:g}s timeout; rank {peer} died or hung ({exc})"
             ) from exc
 
+    @contextlib.contextmanager
+    def store_errors(self, what: str) -> Iterator[None]:
+        """Turn a broken c10d store connection (its host, rank 0, died) into a clear error."""
+        try:
+            yield
+        except RolloutError:
+            raise
+        except dist.QueueEmptyError:
+            raise
+        except Exception as exc:
+            raise CoordinatorTimeout(
+                f"rank {self.rank}: lost the c10d store (served by rank 0) while {what}; "
+                f"rank 0 died or the network failed ({exc})"
+            ) from exc
+
     def gather(self, obj: Any, what: str) -> list[Any]:
         out: list[Any] = [None] * self.world
         try:
@@ -226,7 +242,8 @@ def run_rollout(
         results = done
     else:
         assert rt is not None and m is not None
-        _generate_until_trigger(r, backend, rt, done)
+        with r.store_errors("generating until the trigger"):
+            _generate_until_trigger(r, backend, rt, done)
         stats["trigger_s"] = time.perf_counter() - t0
         reports = r.gather([(p.sample_id, p.prompt_len, p.generated, p.max_new_tokens)
                             for p in backend.progress()], "progress reports at the trigger")
@@ -244,7 +261,8 @@ def run_rollout(
             while backend.unfinished():
                 done.extend(backend.step())
         stats["migration_end_s"] = time.perf_counter() - t0
-        results, exps = _stream(r, backend, inference, assignment, done, t0, stats)
+        with r.store_errors("streaming finished samples"):
+            results, exps = _stream(r, backend, inference, assignment, done, t0, stats)
     stats["local_end_s"] = time.perf_counter() - t0
     gathered = r.gather((results, exps, stats), "the experience batch")
     all_results = assemble((x for g in gathered for x in g[0]), ids, "results")
@@ -364,10 +382,14 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
         push(done)
         hb = r.key(f"heartbeat/{r.rank}")
         last_hb = 0.0
+        steps = 0
         while backend.unfinished():
             finished = backend.step()
             results.extend(finished)
             push(finished)
+            steps += 1
+            if r.cfg.inject_fault == "kill_destination_while_streaming" and steps == 5:
+                os._exit(18)
             now = time.perf_counter()
             if now - last_hb >= r.cfg.heartbeat_s:
                 store.add(hb, 1)

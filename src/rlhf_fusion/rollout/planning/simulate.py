@@ -270,11 +270,18 @@ class SweepResult:
 
     @property
     def best(self) -> SweepPoint:
+        return self.choose(0.0)
+
+    def choose(self, tolerance: float = 0.01) -> SweepPoint:
+        """The smallest R_t whose expected time is within ``tolerance`` of the minimum: on a
+        flat stretch of the curve, migrate fewer samples (less to move, less to go wrong)."""
         if not self.feasible:
             raise RolloutConfigError(
                 "no R_t between 5% and 95% of the batch is feasible: every one needs m >= the "
                 "number of instances; add instances or raise BS_max / the KV capacity")
-        return min(self.feasible, key=lambda p: (p.fused_s, p.rt))
+        low = min(p.fused_s for p in self.feasible)
+        return min((p for p in self.feasible if p.fused_s <= low * (1 + tolerance)),
+                   key=lambda p: p.rt)
 
 
 def rt_grid(batch_size: int, lo: float = 0.05, hi: float = 0.95, points: int = 19) -> list[int]:
@@ -357,13 +364,15 @@ def plan_migration(
     trials: int = 4,
     seed: int = 0,
     progress: bool = False,
+    tolerance: float = 0.01,
 ) -> MigrationPlan:
-    """Simulate R_t over 5%-95% of the batch and pick the fastest; m and mechanism follow."""
+    """Simulate R_t over 5%-95% of the batch and pick the fastest (the smallest R_t within
+    ``tolerance`` of it); m and the mechanism follow."""
     if c.instances < 2:
         raise RolloutConfigError(
             f"instances={c.instances}: inter-stage fusion needs at least 2 generation instances")
     sweep = sweep_rt(dist, c, batch_size, grid=grid, trials=trials, seed=seed, progress=progress)
-    best = sweep.best
+    best = sweep.choose(tolerance)
     # Context a destination takes in: its share of the tail, each about as long as the length
     # quantile the tail has reached at the trigger.
     per_dest = math.ceil(best.rt / best.m)
