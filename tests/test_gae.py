@@ -224,6 +224,15 @@ def test_torch_nan_in_masked_positions_does_not_leak():
         assert torch.isfinite(ret[m]).all()
 
 
+def test_torch_results_do_not_alias_scratch_buffers():
+    r, v, m = make_inputs(3, 256, "holes", seed=1)
+    adv, ret = gae_torch(r, v, m, gamma=0.9, lam=0.9, semantics="skip")
+    saved = adv.clone(), ret.clone()
+    r2, v2, m2 = make_inputs(3, 256, "random", seed=2)
+    gae_torch(r2, v2, m2, gamma=0.5, lam=0.5, semantics="skip")
+    torch.testing.assert_close((adv, ret), saved, rtol=0, atol=0)
+
+
 def test_torch_blocks_stay_small_and_normal(monkeypatch):
     """No T x T matrix is built, and no power is a denormal."""
     sizes = []

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import functools
 import math
+import threading
 from typing import Literal
 
 import torch
@@ -282,12 +283,15 @@ def _block_mats(w: float, n: int, device: str) -> tuple[torch.Tensor, torch.Tens
     return ut.to(torch.float32).to(device), tail.to(torch.float32).to(device)
 
 
-def _discounted_suffix_sum(x: torch.Tensor, w: float, block: int = TORCH_BLOCK) -> torch.Tensor:
+def _discounted_suffix_sum(
+    x: torch.Tensor, w: float, block: int = TORCH_BLOCK, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """y[..., t] = sum_{k >= t} w**(k - t) x[..., k] along the last dim, blocked.
 
     Blocks of ``block`` steps are multiplied by the block's Toeplitz matrix (one GEMM for all of
     them); the values at the blocks' first steps obey the same recursion with decay ``w**block``
-    over ``T / block`` steps, which is solved the same way, recursively.
+    over ``T / block`` steps, which is solved the same way, recursively. ``out`` (same shape
+    as ``x``, contiguous, not aliasing it) receives the result when the blocks tile T exactly.
     """
     steps = x.shape[-1]
     if steps == 0:
@@ -298,8 +302,13 @@ def _discounted_suffix_sum(x: torch.Tensor, w: float, block: int = TORCH_BLOCK) 
     nb = -(-steps // block)
     if nb * block != steps:
         x = F.pad(x, (0, nb * block - steps))  # zeros after the end contribute nothing
+        out = None
     ut, tail = _block_mats(w, block, str(x.device))
-    loc = x.reshape(*x.shape[:-1], nb, block) @ ut
+    blocks = x.reshape(*x.shape[:-1], nb, block)
+    if out is not None:
+        loc = torch.matmul(blocks, ut, out=out.view(blocks.shape))
+    else:
+        loc = blocks @ ut
     w_block = w**block
     w_block = 0.0 if w_block < _FLT_MIN else w_block
     heads = _discounted_suffix_sum(loc[..., 0], w_block, block)
@@ -340,39 +349,82 @@ def gae_torch(
     w = gamma * lam
     if mask is None:
         semantics = "zero"  # without masked positions the two semantics coincide
+    # Large temporaries are few and reused in place: every fresh multi-MB allocation can cost
+    # its page faults again (the allocator returns big blocks to the OS), which on the CPU is
+    # as expensive as the arithmetic.
     if semantics == "zero":
-        if mask is not None:
+        if mask is None:
+            delta = r - v
+            vm = v
+        else:
             keep = _as_bool(mask)
-            r = torch.where(keep, r, 0.0)
-            v = torch.where(keep, v, 0.0)
-        delta = r - v
+            vm = torch.where(keep, v, 0.0)
+            delta = torch.where(keep, r, 0.0)
+            delta.sub_(vm)
         if steps:
-            delta[:, :-1].add_(v[:, 1:], alpha=gamma)
+            delta[:, :-1].add_(vm[:, 1:], alpha=gamma)
             if boot is not None:
                 delta[:, -1].add_(boot, alpha=gamma)
         adv = _discounted_suffix_sum(delta, w)
-        return adv, adv + v
+        ret = vm.add_(adv) if mask is not None else adv + vm
+        return adv, ret
 
     if steps == 0:
         z = torch.zeros(bsz, 0, dtype=torch.float32, device=r.device)
         return z, z.clone()
     m = _as_bool(mask)
+    dev = r.device
     # excl[t]: valid tokens before t = index, in the compacted row, of the first valid token at
     # or after t. It is < T for every position whenever some token is masked.
-    excl = F.pad(m[:, :-1], (1, 0)).cumsum(dim=1)
-    dest = torch.where(m, excl, steps)  # masked tokens go to a scratch column
-    rc = torch.zeros(bsz, steps + 1, dtype=torch.float32, device=r.device)
-    vc = torch.zeros_like(rc)
-    rc.scatter_(1, dest, r)
-    vc.scatter_(1, dest, v)
-    delta_c = rc[:, :steps] - vc[:, :steps]  # zero beyond the last valid token
-    delta_c[:, :-1].add_(vc[:, 1:steps], alpha=gamma)
+    excl = _workspace("excl", (bsz, steps), torch.int64, dev)
+    dest = _workspace("dest", (bsz, steps), torch.int64, dev)
+    dest[:, 0] = 0
+    dest[:, 1:] = m[:, :-1]
+    torch.cumsum(dest, dim=1, out=excl)
+    n_valid = excl[:, -1:] + m[:, -1:]
+    # Compaction: valid tokens go to their slot; masked ones all to slot n_valid, the first
+    # free one (it exists whenever a token is masked) and cleared after the scatter.
+    torch.where(m, excl, n_valid, out=dest)
+    free = torch.lt(
+        torch.arange(steps, device=dev)[None, :],
+        n_valid,
+        out=_workspace("free", (bsz, steps), torch.bool, dev),
+    ).logical_not_()
+    rc = _workspace("rc", (bsz, steps), torch.float32, dev)
+    vc = _workspace("vc", (bsz, steps), torch.float32, dev)
+    rc.scatter_(1, dest, r).masked_fill_(free, 0.0)
+    vc.scatter_(1, dest, v).masked_fill_(free, 0.0)
+    delta_c = rc.sub_(vc)  # zero beyond the last valid token
+    delta_c[:, :-1].add_(vc[:, 1:], alpha=gamma)
     if boot is not None:
-        n_valid = excl[:, -1:] + m[:, -1:]
         last = (n_valid - 1).clamp(min=0)
         delta_c.scatter_add_(1, last, gamma * boot[:, None] * (n_valid > 0))
-    adv = torch.gather(_discounted_suffix_sum(delta_c, w), 1, excl)
+    adv_c = _discounted_suffix_sum(delta_c, w, out=vc)
+    adv = torch.gather(adv_c, 1, excl)
     return adv, adv + v
+
+
+_WORKSPACE = threading.local()
+_WORKSPACE_MAX_BYTES = 8 * 2**20  # per buffer: at most ~26 MiB kept per thread
+
+
+def _workspace(name: str, shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
+    """A scratch tensor reused across calls on this thread (CPU only, up to 8 MiB each).
+
+    The skip path needs several batch-sized temporaries; allocated afresh, the allocator hands
+    big blocks back to the OS after every call and the next call pays the page faults again,
+    which costs as much as the arithmetic. Never returned to the caller.
+    """
+    numel = shape[0] * shape[1]
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    if device.type != "cpu" or nbytes > _WORKSPACE_MAX_BYTES:
+        return torch.empty(shape, dtype=dtype, device=device)
+    bufs = _WORKSPACE.__dict__.setdefault("bufs", {})
+    buf = bufs.get(name)
+    if buf is None or buf.numel() < numel:
+        buf = torch.empty(numel, dtype=dtype)
+        bufs[name] = buf
+    return buf[:numel].view(shape)
 
 
 # --------------------------------------------------------------------------------------------
