@@ -382,30 +382,29 @@ def gae_torch(
     dest[:, 1:] = m[:, :-1]
     torch.cumsum(dest, dim=1, out=excl)
     n_valid = excl[:, -1:] + m[:, -1:]
-    # Compaction: valid tokens go to their slot; masked ones all to slot n_valid, the first
-    # free one (it exists whenever a token is masked) and cleared after the scatter.
-    torch.where(m, excl, n_valid, out=dest)
-    free = torch.lt(
-        torch.arange(steps, device=dev)[None, :],
-        n_valid,
-        out=_workspace("free", (bsz, steps), torch.bool, dev),
-    ).logical_not_()
-    rc = _workspace("rc", (bsz, steps), torch.float32, dev)
-    vc = _workspace("vc", (bsz, steps), torch.float32, dev)
-    rc.scatter_(1, dest, r).masked_fill_(free, 0.0)
-    vc.scatter_(1, dest, v).masked_fill_(free, 0.0)
-    delta_c = rc.sub_(vc)  # zero beyond the last valid token
-    delta_c[:, :-1].add_(vc[:, 1:], alpha=gamma)
+    # Compaction: valid tokens go to their slot, masked ones to a scratch column T.
+    torch.where(m, excl, excl.new_full((), steps), out=dest)
+    rc = _workspace("rc", (bsz, steps + 1), torch.float32, dev).zero_()
+    vc = _workspace("vc", (bsz, steps + 1), torch.float32, dev).zero_()
+    rc.scatter_(1, dest, r)
+    vc.scatter_(1, dest, v)
+    # zero beyond the last valid token
+    delta_c = torch.sub(
+        rc[:, :steps], vc[:, :steps], out=_workspace("dc", (bsz, steps), torch.float32, dev)
+    )
+    delta_c[:, :-1].add_(vc[:, 1:steps], alpha=gamma)
     if boot is not None:
         last = (n_valid - 1).clamp(min=0)
         delta_c.scatter_add_(1, last, gamma * boot[:, None] * (n_valid > 0))
-    adv_c = _discounted_suffix_sum(delta_c, w, out=vc)
+    adv_c = _discounted_suffix_sum(
+        delta_c, w, out=_workspace("adv_c", (bsz, steps), torch.float32, dev)
+    )
     adv = torch.gather(adv_c, 1, excl)
     return adv, adv + v
 
 
 _WORKSPACE = threading.local()
-_WORKSPACE_MAX_BYTES = 8 * 2**20  # per buffer: at most ~26 MiB kept per thread
+_WORKSPACE_MAX_BYTES = 8 * 2**20  # per buffer: at most 32 MiB kept per thread
 
 
 def _workspace(name: str, shape: tuple[int, int], dtype: torch.dtype, device: torch.device):
