@@ -57,16 +57,29 @@ def device_info() -> dict[str, Any]:
 def time_cpu(
     fn: Callable[[], Any], *, repeat: int = 20, warmup: int = 2, min_time: float = 0.0
 ) -> dict[str, float]:
-    """Wall-clock seconds per call: median and min over ``repeat`` calls (after warm-up)."""
+    """Seconds per call over ``repeat`` calls (after warm-up): wall-clock median and min, and the
+    median CPU time of the calling thread (``thread_cpu_median_s``).
+
+    With one torch thread all work runs on the calling thread, so its CPU time is the cost of
+    the call without the time the OS gave the core to other jobs -- the robust number on a
+    shared machine. With more threads, only the wall-clock numbers mean anything.
+    """
     for _ in range(warmup):
         fn()
-    times = []
+    times, cpu = [], []
     start = time.perf_counter()
     while len(times) < repeat or time.perf_counter() - start < min_time:
+        c0 = time.thread_time()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return {"median_s": statistics.median(times), "min_s": min(times), "calls": len(times)}
+        cpu.append(time.thread_time() - c0)
+    return {
+        "median_s": statistics.median(times),
+        "min_s": min(times),
+        "thread_cpu_median_s": statistics.median(cpu),
+        "calls": len(times),
+    }
 
 
 def time_cuda(fn: Callable[[], Any], *, rep_ms: float = 200.0) -> dict[str, float]:
