@@ -107,7 +107,7 @@ class FusedPipelineStrategy(ParallelStrategy):
         actor_layers: Sequence[int] | None = None,
         critic_layers: Sequence[int] | None = None,
         schedule: str | os.PathLike | Schedule | None = None,
-        solver: str = "greedy",
+        solver: str = "auto",
         solver_time_limit: float = 10.0,
         profile_repeats: int = 2,
         schedule_out: str | os.PathLike | None = None,

@@ -14,9 +14,9 @@ from typing import Any
 from .anneal import anneal
 from .baselines import concatenated_1f1b
 from .cpsat import solve_cpsat
-from .evaluate import CompiledProblem, IdOrder, ProblemError
+from .evaluate import CompiledProblem, IdOrder
 from .greedy import greedy
-from .problem import Problem, Task
+from .problem import Problem, ProblemError, Task
 
 
 class InfeasibleError(ProblemError):
@@ -69,10 +69,10 @@ def search(
     def remaining() -> float:
         return deadline - time.perf_counter()
 
-    if solver in ("anneal", "auto") and start_valid:
-        share = remaining() if solver == "anneal" else min(remaining() * 0.1, 5.0)
+    def run_anneal(seconds: float) -> None:
+        nonlocal best
         res = anneal(
-            problem, cp, best, seconds=share, seed=seed, workers=workers,
+            problem, cp, best, seconds=seconds, seed=seed, workers=workers,
             memory_fraction=0.3, caps=caps,
         )
         stats["anneal"] = {"makespan": res.makespan, "peak_activation": round(res.peak, 6),
@@ -80,6 +80,9 @@ def search(
         if (res.makespan, res.peak) < (cp.makespan(best), cp.peak(best)):
             best = res.order
         note("anneal", best)
+
+    if solver == "anneal" and start_valid:
+        run_anneal(remaining())
 
     if solver in ("cpsat", "auto"):
         best_ms = cp.makespan(best) if start_valid else float("inf")
@@ -97,7 +100,10 @@ def search(
             if r.order is not None:
                 best, best_ms, start_valid = r.order, cp.makespan(r.order), True
                 note("cpsat-bound", best)
-        # 2) Otherwise minimise the makespan from the best order so far.
+        # 2) Otherwise anneal briefly for a better hint, then minimise the makespan from it.
+        if solver == "auto" and start_valid and best_ms > lower_bound + 1e-9:
+            run_anneal(min(remaining() * 0.1, 5.0))
+            best_ms = cp.makespan(best)
         left = phase1 - (time.perf_counter() - t_phase)
         if best_ms > lower_bound + 1e-9 and left > 0.5:
             r = solve_cpsat(
