@@ -30,6 +30,9 @@ from pathlib import Path
 
 import numpy as np
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import cpu_model  # noqa: E402
+
 from rlhf_fusion.rollout.cli import plot_plan
 from rlhf_fusion.rollout.coordinator import RolloutConfig, TinyJob, launch, tiny_job_worker
 from rlhf_fusion.rollout.planning import LengthDistribution, lognormal_quantile_lengths
@@ -38,16 +41,6 @@ from rlhf_fusion.rollout.planning.simulate import plan_migration
 from rlhf_fusion.rollout.types import SampleSpec
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def make_specs(n: int, median: float, sigma: float, max_len: int, prompt_len: int, vocab: int,

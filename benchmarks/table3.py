@@ -14,26 +14,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
+import sys
 import time
 from pathlib import Path
 
-from rlhf_fusion.schedule import Problem, solve
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _harness import cpu_model  # noqa: E402
+
+from rlhf_fusion.schedule import Problem, solve  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 REFERENCE = Path(
     os.environ.get("RLHF_FUSION_REFERENCE", HERE.parent.parent / "shared" / "reference")
 ) / "table3.json"
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def main() -> None:
@@ -91,7 +84,7 @@ def main() -> None:
             flush=True,
         )
 
-    machine = f"{cpu_name()}, {os.cpu_count()} cores"
+    machine = f"{cpu_model()}, {os.cpu_count()} cores"
     result = {
         "benchmark": "table3",
         "machine": machine,

@@ -9,11 +9,14 @@ module in the main process is fully trained after ``fit`` returns.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import tempfile
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import lightning.pytorch as pl
+import torch.distributed as dist
 from lightning.pytorch.strategies.launchers.multiprocessing import (
     _MultiProcessingLauncher,
     _WorkerOutput,
@@ -37,6 +40,17 @@ class FusedPipelineLauncher(_MultiProcessingLauncher):
             self._strategy.preflight(module)  # type: ignore[attr-defined]
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
+    def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
+        # A worker that dies in C++ (an abort in a communication thread) otherwise leaves only
+        # "terminate called ..." behind; this prints every thread's Python stack first.
+        faulthandler.enable(all_threads=True)
+        ok = False
+        try:
+            super()._wrapping_function(process_idx, *args, **kwargs)
+            ok = True
+        finally:
+            _shutdown_process_group(self._strategy, wait_for_peers=ok)
+
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         strategy: FusedPipelineStrategy = self._strategy  # type: ignore[assignment]
         checkpoint_callback = trainer.checkpoint_callback
@@ -59,3 +73,22 @@ class FusedPipelineLauncher(_MultiProcessingLauncher):
             strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         extra = self.get_extra_results(trainer)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
+
+
+def _shutdown_process_group(strategy: Any, *, wait_for_peers: bool) -> None:
+    """Tear the default process group down on every worker before the interpreter exits.
+
+    Left to interpreter finalization, the gloo groups are destroyed in arbitrary order while a
+    peer may still be talking to them, and a worker can abort after a successful ``fit``. The
+    barrier makes sure no rank closes its connections while another still uses them (skipped
+    when this worker failed: its peers are failing too, and the error must surface now).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if wait_for_peers:
+        timeout = timedelta(seconds=max(float(getattr(strategy, "_timeout", 60.0)), 10.0))
+        try:
+            dist.barrier(async_op=True).wait(timeout)
+        except RuntimeError:
+            pass  # a peer already failed; its error is the one the user needs
+    dist.destroy_process_group()

@@ -346,7 +346,7 @@ class PipelineComm:
         for rcv in self._receivers.values():
             rcv.jobs.put(None)
         for rcv in self._receivers.values():
-            rcv.thread.join(timeout=1.0)
+            rcv.thread.join(timeout=10.0)  # idle after a step: they exit at once
         self._receivers.clear()
         self._sends.clear()
         self._announced.clear()

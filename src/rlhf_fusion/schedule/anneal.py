@@ -58,81 +58,54 @@ def anneal_once(
     if base is None:
         raise ValueError("anneal: the starting order deadlocks")
     tasks = cp.tasks
-    same_lane = lambda a, b: tasks[a][:4] == tasks[b][:4]  # noqa: E731 - tiny hot-path helper
     movable = [g for g in range(len(order)) if len(order[g]) > 1]
-
-    def propose(cur: IdOrder) -> tuple[int, int] | None:
-        g = rng.choice(movable)
-        k = rng.randrange(len(cur[g]) - 1)
-        a, b = cur[g][k], cur[g][k + 1]
-        if same_lane(a, b) or cp.pred[b] == a:
-            return None
-        return g, k
-
-    t0 = time.perf_counter()
     # Measure one evaluation to turn the time budget into a number of steps.
     probe = time.perf_counter()
     _energy(cp, order)
     per_step = max(1e-6, time.perf_counter() - probe)
-    budget = {"makespan": seconds * (1 - memory_fraction), "memory": seconds * memory_fraction}
-
     steps = 0
-    cur_e = base
-    best_order, best_e = [list(g) for g in order], base
-    temp0 = max(cp.duration)
-    n_steps = max(1, int(budget["makespan"] / per_step))
-    alpha = (t_end / temp0) ** (1.0 / n_steps)
-    temp = temp0
-    deadline = t0 + budget["makespan"]
-    while temp > t_end and time.perf_counter() < deadline:
-        steps += 1
-        temp *= alpha
-        mv = propose(order)
-        if mv is None:
-            continue
-        g, k = mv
-        order[g][k], order[g][k + 1] = order[g][k + 1], order[g][k]
-        new_e = _energy(cp, order)
-        ok = new_e is not None and cp.fits(order, caps)
-        if ok and (new_e[1] <= cur_e[1] or rng.random() < math.exp((cur_e[1] - new_e[1]) / temp)):
-            cur_e = new_e
-            if new_e[1] < best_e[1]:
-                best_e, best_order = new_e, [list(x) for x in order]
-        else:
-            order[g][k], order[g][k + 1] = order[g][k + 1], order[g][k]
 
-    # Memory pass: anneal on the peak, never letting the makespan grow.
-    limit = best_e[0] + 1e-9
-    order = [list(g) for g in best_order]
-    cur_p = cp.peak(order)
-    best_p = cur_p
-    mem_best = [list(g) for g in order]
-    temp0 = max(abs(m) for m in cp.mem) or 1.0
-    n_steps = max(1, int(budget["memory"] / per_step))
-    alpha = (t_end / temp0) ** (1.0 / n_steps)
-    temp = temp0
-    deadline = time.perf_counter() + budget["memory"]
-    while temp > t_end and time.perf_counter() < deadline:
-        steps += 1
-        temp *= alpha
-        mv = propose(order)
-        if mv is None:
-            continue
-        g, k = mv
-        order[g][k], order[g][k + 1] = order[g][k + 1], order[g][k]
-        ms = cp.makespan(order)
-        new_p = cp.peak(order) if ms is not None and ms <= limit else None
-        if (
-            new_p is not None
-            and cp.fits(order, caps)
-            and (new_p <= cur_p or rng.random() < math.exp((cur_p - new_p) / temp))
-        ):
-            cur_p = new_p
-            if new_p < best_p:
-                best_p, mem_best = new_p, [list(x) for x in order]
-        else:
-            order[g][k], order[g][k + 1] = order[g][k + 1], order[g][k]
-    return AnnealResult(mem_best, best_e[0], best_p, steps, seed)
+    def walk(order: IdOrder, score, temp0: float, budget: float) -> tuple[IdOrder, float]:
+        """Adjacent-swap annealing on ``score`` (None: reject); returns the best order seen."""
+        nonlocal steps
+        cur = best = score(order)
+        best_order = [list(g) for g in order]
+        alpha = (t_end / temp0) ** (1.0 / max(1, int(budget / per_step)))
+        temp, deadline = temp0, time.perf_counter() + budget
+        while temp > t_end and time.perf_counter() < deadline:
+            steps += 1
+            temp *= alpha
+            g = rng.choice(movable)
+            k = rng.randrange(len(order[g]) - 1)
+            a, b = order[g][k], order[g][k + 1]
+            # Swapping two tasks of one lane only relabels micro-batches; a task and its own
+            # predecessor can never swap.
+            if tasks[a][:4] == tasks[b][:4] or cp.pred[b] == a:
+                continue
+            order[g][k], order[g][k + 1] = b, a
+            new = score(order) if cp.fits(order, caps) else None
+            if new is not None and (new <= cur or rng.random() < math.exp((cur - new) / temp)):
+                cur = new
+                if new < best:
+                    best, best_order = new, [list(x) for x in order]
+            else:
+                order[g][k], order[g][k + 1] = a, b
+        return best_order, best
+
+    def by_makespan(o: IdOrder) -> float | None:
+        e = _energy(cp, o)
+        return None if e is None else e[1]
+
+    order, _ = walk(order, by_makespan, max(cp.duration), seconds * (1 - memory_fraction))
+    limit = cp.makespan(order) + 1e-9
+
+    def by_peak(o: IdOrder) -> float | None:
+        # The memory pass never lets the makespan grow.
+        ms = cp.makespan(o)
+        return None if ms is None or ms > limit else cp.peak(o)
+
+    order, peak = walk(order, by_peak, max(abs(m) for m in cp.mem) or 1.0, seconds * memory_fraction)
+    return AnnealResult(order, cp.makespan(order), peak, steps, seed)
 
 
 def _worker(args: tuple) -> AnnealResult:
