@@ -165,6 +165,34 @@ def solve_cpsat(
                 if caps is not None:
                     model.Add(sum(terms) <= caps[g])
         model.Minimize(peak_var)
+    elif minimize == "cumulative_peak":
+        # Exact peak: per group a cumulative whose capacity is a variable, the largest of them
+        # minimised (plus their sum, so any group's reduction counts).
+        total = sum(a for t, a in enumerate(act) if cp.mem[t] > 0)
+        peak_var = model.NewIntVar(0, total, "peak")
+        bwd = {}
+        for t, task in enumerate(cp.tasks):
+            if task.op == "B":
+                bwd[(task.model, task.copy, task.stage, task.micro_batch)] = t
+        gcaps = []
+        for gi, g in enumerate(groups):
+            ivs, dem = [], []
+            for t in g:
+                task = cp.tasks[t]
+                if task.op == "F" and act[t] > 0:
+                    b = bwd[(task.model, task.copy, task.stage, task.micro_batch)]
+                    size = model.NewIntVar(dur[t], horizon, f"m{t}")
+                    ivs.append(model.NewIntervalVar(start[t], size, end[b], f"a{t}"))
+                    dem.append(act[t])
+            if ivs:
+                ub = sum(dem) if caps is None else min(sum(dem), caps[gi])
+                cg = model.NewIntVar(max(dem), ub, f"cap{gi}")
+                model.AddCumulative(ivs, dem, cg)
+                model.Add(peak_var >= cg)
+                gcaps.append(cg)
+        if caps is not None:
+            _lane_inflight_limits(model, cp, lanes, caps, act, start, end)
+        model.Minimize(peak_var * (len(gcaps) + 1) + sum(gcaps))
     else:
         if caps is not None:
             bwd = {}
@@ -182,16 +210,7 @@ def solve_cpsat(
                         dem.append(act[t])
                 if ivs:
                     model.AddCumulative(ivs, dem, caps[gi])
-            # Implied by the cap whatever the other residents hold: a lane never has more than
-            # floor(cap / activation) micro-batches in flight. As precedences these propagate
-            # much better than the cumulative alone.
-            for (mi, c, op, s), fl in lanes.items():
-                if op != "F" or act[fl[0]] == 0:
-                    continue
-                bl = lanes[(mi, c, "B", s)]
-                k = max(1, caps[cp.group[fl[0]]] // act[fl[0]])
-                for i in range(len(fl) - k):
-                    model.Add(start[fl[i + k]] >= end[bl[i]])
+            _lane_inflight_limits(model, cp, lanes, caps, act, start, end)
         model.Minimize(makespan)
 
     if hint_order is not None:
@@ -208,7 +227,8 @@ def solve_cpsat(
                         model.AddHint(le[j], counts[key] <= j)
 
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.05, time_limit)
+    # The caller's budget covers building the model too.
+    solver.parameters.max_time_in_seconds = max(0.05, time_limit - (time.perf_counter() - t0))
     solver.parameters.num_workers = max(1, workers)
     solver.parameters.random_seed = seed
     if repair_hint and hint_order is not None:
@@ -216,6 +236,8 @@ def solve_cpsat(
         solver.parameters.repair_hint = True
         solver.parameters.hint_conflict_limit = 100_000
     unit = scale if minimize == "makespan" else mem_scale
+    if minimize == "cumulative_peak":
+        unit = mem_scale * (cp.num_groups + 1)
 
     class _Progress(cp_model.CpSolverSolutionCallback):
         def on_solution_callback(self) -> None:
@@ -238,6 +260,19 @@ def solve_cpsat(
     )
 
 
+def _lane_inflight_limits(model, cp, lanes, caps, act, start, end) -> None:  # noqa: ANN001
+    # Implied by the cap whatever the other residents hold: a lane never has more than
+    # floor(cap / activation) micro-batches in flight. As precedences these propagate much
+    # better than the cumulative alone.
+    for (mi, c, op, s), fl in lanes.items():
+        if op != "F" or act[fl[0]] == 0:
+            continue
+        bl = lanes[(mi, c, "B", s)]
+        k = max(1, caps[cp.group[fl[0]]] // act[fl[0]])
+        for i in range(len(fl) - k):
+            model.Add(start[fl[i + k]] >= end[bl[i]])
+
+
 def solve_time_window(
     cp: CompiledProblem,
     order: IdOrder,
@@ -255,6 +290,7 @@ def solve_time_window(
     Minimises the sum of the groups' peaks (exact cumulative per group), so a reduction on any
     one group counts, and never lets a group's peak exceed the current global peak.
     """
+    t0 = time.perf_counter()
     from ortools.sat.python import cp_model
 
     res = cp.simulate(order)
@@ -317,7 +353,7 @@ def solve_time_window(
         if free[t]:
             model.AddHint(start[t], cur[t])
     solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.05, time_limit)
+    solver.parameters.max_time_in_seconds = max(0.05, time_limit - (time.perf_counter() - t0))
     solver.parameters.num_workers = max(1, workers)
     solver.parameters.random_seed = seed
     status = solver.Solve(model)
