@@ -78,6 +78,31 @@ def test_cpsat_reaches_the_bound_on_a_table3_setting():
     validate(problem, s.order)
 
 
+def test_exact_peak_pass_holds_the_makespan_and_lowers_the_peak():
+    """The memory pass's exact-peak CP-SAT run: from a high-memory schedule at the bound it
+    returns one at the same makespan, with a peak no higher (strictly lower here) that the
+    simulator agrees with."""
+    from rlhf_fusion.schedule.cpsat import solve_cpsat
+    from rlhf_fusion.schedule.evaluate import CompiledProblem
+
+    inst = next(i for i in _table3() if i["id"] == "table3-02")
+    problem = Problem.from_dict(inst["problem"])
+    cp = CompiledProblem(problem)
+    ms = inst["reference"]["lower_bound"]
+    # A memory-blind schedule at the bound.
+    start = solve(problem, "cpsat", time_limit=20, workers=2, memory_pass=False)
+    assert start.makespan == ms
+    order = cp.ids(start.order)
+    res = solve_cpsat(
+        cp, time_limit=15, minimize="cumulative_peak", lower_bound=ms, makespan_cap=ms,
+        hint_order=order, workers=2,
+    )
+    assert res.order is not None
+    assert cp.makespan(res.order) <= ms
+    assert cp.peak(res.order) < cp.peak(order)
+    validate(problem, cp.tasks_of(res.order))
+
+
 # -- random problems --------------------------------------------------------------------------
 
 @st.composite

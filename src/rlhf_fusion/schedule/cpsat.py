@@ -170,20 +170,8 @@ def solve_cpsat(
         # minimised (plus their sum, so any group's reduction counts).
         total = sum(a for t, a in enumerate(act) if cp.mem[t] > 0)
         peak_var = model.NewIntVar(0, total, "peak")
-        bwd = {}
-        for t, task in enumerate(cp.tasks):
-            if task.op == "B":
-                bwd[(task.model, task.copy, task.stage, task.micro_batch)] = t
         gcaps = []
-        for gi, g in enumerate(groups):
-            ivs, dem = [], []
-            for t in g:
-                task = cp.tasks[t]
-                if task.op == "F" and act[t] > 0:
-                    b = bwd[(task.model, task.copy, task.stage, task.micro_batch)]
-                    size = model.NewIntVar(dur[t], horizon, f"m{t}")
-                    ivs.append(model.NewIntervalVar(start[t], size, end[b], f"a{t}"))
-                    dem.append(act[t])
+        for gi, (ivs, dem) in enumerate(_residency(model, cp, groups, act, dur, start, end, horizon)):
             if ivs:
                 ub = sum(dem) if caps is None else min(sum(dem), caps[gi])
                 cg = model.NewIntVar(max(dem), ub, f"cap{gi}")
@@ -195,19 +183,9 @@ def solve_cpsat(
         model.Minimize(peak_var * (len(gcaps) + 1) + sum(gcaps))
     else:
         if caps is not None:
-            bwd = {}
-            for t, task in enumerate(cp.tasks):
-                if task.op == "B":
-                    bwd[(task.model, task.copy, task.stage, task.micro_batch)] = t
-            for gi, g in enumerate(groups):
-                ivs, dem = [], []
-                for t in g:
-                    task = cp.tasks[t]
-                    if task.op == "F" and act[t] > 0:
-                        b = bwd[(task.model, task.copy, task.stage, task.micro_batch)]
-                        size = model.NewIntVar(dur[t], horizon, f"m{t}")
-                        ivs.append(model.NewIntervalVar(start[t], size, end[b], f"a{t}"))
-                        dem.append(act[t])
+            for gi, (ivs, dem) in enumerate(
+                _residency(model, cp, groups, act, dur, start, end, horizon)
+            ):
                 if ivs:
                     model.AddCumulative(ivs, dem, caps[gi])
             _lane_inflight_limits(model, cp, lanes, caps, act, start, end)
@@ -258,6 +236,27 @@ def solve_cpsat(
         name,
         seconds,
     )
+
+
+def _residency(model, cp, groups, act, dur, start, end, horizon) -> list[tuple[list, list]]:  # noqa: ANN001
+    """Per group, the intervals during which forwards hold activations (forward start to the
+    matching backward's end) and their sizes: the operands of a cumulative constraint."""
+    bwd = {}
+    for t, task in enumerate(cp.tasks):
+        if task.op == "B":
+            bwd[(task.model, task.copy, task.stage, task.micro_batch)] = t
+    out = []
+    for g in groups:
+        ivs, dem = [], []
+        for t in g:
+            task = cp.tasks[t]
+            if task.op == "F" and act[t] > 0:
+                b = bwd[(task.model, task.copy, task.stage, task.micro_batch)]
+                size = model.NewIntVar(dur[t], horizon, f"m{t}")
+                ivs.append(model.NewIntervalVar(start[t], size, end[b], f"a{t}"))
+                dem.append(act[t])
+        out.append((ivs, dem))
+    return out
 
 
 def _lane_inflight_limits(model, cp, lanes, caps, act, start, end) -> None:  # noqa: ANN001
