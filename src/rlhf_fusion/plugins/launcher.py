@@ -49,7 +49,7 @@ class FusedPipelineLauncher(_MultiProcessingLauncher):
             super()._wrapping_function(process_idx, *args, **kwargs)
             ok = True
         finally:
-            _shutdown_process_group(self._strategy, wait_for_peers=ok)
+            _shutdown_process_group(self._strategy._timeout, wait_for_peers=ok)  # type: ignore[attr-defined]
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         strategy: FusedPipelineStrategy = self._strategy  # type: ignore[assignment]
@@ -75,7 +75,7 @@ class FusedPipelineLauncher(_MultiProcessingLauncher):
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
 
 
-def _shutdown_process_group(strategy: Any, *, wait_for_peers: bool) -> None:
+def _shutdown_process_group(timeout_s: float, *, wait_for_peers: bool) -> None:
     """Tear the default process group down on every worker before the interpreter exits.
 
     Left to interpreter finalization, the gloo groups are destroyed in arbitrary order while a
@@ -86,9 +86,8 @@ def _shutdown_process_group(strategy: Any, *, wait_for_peers: bool) -> None:
     if not (dist.is_available() and dist.is_initialized()):
         return
     if wait_for_peers:
-        timeout = timedelta(seconds=max(float(getattr(strategy, "_timeout", 60.0)), 10.0))
         try:
-            dist.barrier(async_op=True).wait(timeout)
+            dist.barrier(async_op=True).wait(timedelta(seconds=max(timeout_s, 10.0)))
         except RuntimeError:
             pass  # a peer already failed; its error is the one the user needs
     dist.destroy_process_group()

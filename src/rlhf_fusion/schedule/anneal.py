@@ -54,15 +54,13 @@ def anneal_once(
 ) -> AnnealResult:
     rng = random.Random(seed)
     order = [list(g) for g in start]
-    base = _energy(cp, order)
-    if base is None:
+    # Time one evaluation to turn the time budget into a number of steps.
+    probe = time.perf_counter()
+    if _energy(cp, order) is None:
         raise ValueError("anneal: the starting order deadlocks")
+    per_step = max(1e-6, time.perf_counter() - probe)
     tasks = cp.tasks
     movable = [g for g in range(len(order)) if len(order[g]) > 1]
-    # Measure one evaluation to turn the time budget into a number of steps.
-    probe = time.perf_counter()
-    _energy(cp, order)
-    per_step = max(1e-6, time.perf_counter() - probe)
     steps = 0
 
     def walk(order: IdOrder, score, temp0: float, budget: float) -> tuple[IdOrder, float]:

@@ -56,9 +56,10 @@ def search(
 
     # A valid start: the greedy, or concatenated 1F1B (whose per-group peak is the serial one)
     # when the greedy breaks the capacity.
+    concat = cp.ids(concatenated_1f1b(problem))
     best = cp.ids(greedy(problem))
     if not cp.fits(best, caps):
-        best = cp.ids(concatenated_1f1b(problem))
+        best = concat
         if not cp.fits(best, caps) and solver == "anneal":
             raise InfeasibleError(
                 "infeasible under capacity: even concatenated 1F1B needs "
@@ -99,7 +100,7 @@ def search(
         # another hint and seed rather than spending the whole share on one run.
         if best_ms > lower_bound + 1e-9:
             share = phase1 * 0.7
-            hints = [best if start_valid else None, None, cp.ids(concatenated_1f1b(problem))]
+            hints = [best if start_valid else None, None, concat]
             attempt = 0
             statuses = []
             while True:
@@ -156,10 +157,9 @@ def search(
         if memory_pass and remaining() > 0.5:
             from .memory import reduce_peak
 
-            fallback = cp.ids(concatenated_1f1b(problem))
-            serial_peak = max(cp.group_peaks(fallback))
+            serial_peak = max(cp.group_peaks(concat))
             best = reduce_peak(
-                cp, best, makespan=best_ms, seconds=remaining(), fallback=fallback,
+                cp, best, makespan=best_ms, seconds=remaining(), fallback=concat,
                 serial_peak=serial_peak, caps=caps, workers=workers, seed=seed, stats=stats,
             )
             note("memory", best)
