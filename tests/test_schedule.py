@@ -341,3 +341,38 @@ def test_planning_code_imports_no_torch():
                 root = name.split(".")[0]
                 assert root not in ("torch", "lightning", "triton"), f"{path.name} imports {name}"
                 assert not name.startswith("rlhf_fusion.runtime"), f"{path.name} imports {name}"
+
+
+def test_inflight_budgets_split_the_headroom_and_bind_the_solver():
+    """The memory pass's in-flight budgets: limits whose worst case fits the target on every
+    group, headroom to the lighter model (the critic here), and a CP-SAT schedule at the bound
+    that keeps every stage within its limit, so its peak is within the target."""
+    from rlhf_fusion.schedule.cpsat import inflight_counts, solve_cpsat
+    from rlhf_fusion.schedule.evaluate import CompiledProblem
+    from rlhf_fusion.schedule.memory import _budget_ranks, _lanes_by_group, budget_limits
+
+    inst = next(i for i in _table3() if i["id"] == "table3-04")
+    problem = Problem.from_dict(inst["problem"])
+    cp = CompiledProblem(problem)
+    serial_peak = inst["reference"]["serial_peak_activation"]
+    base = inflight_counts(cp, cp.ids(concatenated_1f1b(problem)))
+    cap = 1.2 * serial_peak
+    light_first = _budget_ranks(cp)[0]
+    assert light_first == [1, 0]  # the critic's stages are lighter
+    limits = budget_limits(cp, base, [cap] * cp.num_groups, light_first)
+    groups, act, mbs = _lanes_by_group(cp)
+    for lanes in groups:
+        assert sum(act[lane] * limits[lane] for lane in lanes) <= cap + 1e-9
+        for lane in lanes:
+            assert 1 <= limits[lane] <= mbs[lane]
+            if lane[0] == 0:
+                assert limits[lane] == base[lane]  # the actor keeps its 1F1B count
+    assert any(limits[lane] > base[lane] for lane in limits if lane[0] == 1)
+
+    lb = inst["reference"]["lower_bound"]
+    res = solve_cpsat(cp, time_limit=30, lower_bound=lb, makespan_cap=lb, inflight=limits, workers=2)
+    assert res.order is not None and cp.makespan(res.order) == lb
+    counts = inflight_counts(cp, res.order)
+    assert all(counts[lane] <= limits[lane] for lane in limits)
+    assert cp.peak(res.order) <= cap + 1e-9
+    validate(problem, cp.tasks_of(res.order))

@@ -1,29 +1,36 @@
 """The memory pass: lower peak activation memory without letting the makespan grow.
 
-Two moves, in this order:
+Moves, in this order:
 
-1. Capacity rungs. Concatenated 1F1B holds exactly the serial 1F1B peak on every group, so it
+1. In-flight budgets. For a target peak (a ratio of the serial 1F1B peak), every stage group
+   splits that budget among the model stages it hosts as fixed in-flight limits (forward
+   ``i + k`` of a stage waits for backward ``i``): each keeps its 1F1B count and the headroom
+   goes first to the lighter model, whose extra forwards are what fill the heavier model's
+   bubbles. Fixed limits are plain precedences, so CP-SAT decides "the held makespan within
+   these limits" in seconds where an exact memory capacity at the same makespan stays
+   undecided for minutes. The target is bisected between the serial peak and the best peak
+   so far; each split that works sets a new best.
+2. Capacity rungs. Concatenated 1F1B holds exactly the serial 1F1B peak on every group, so it
    is a valid start under any capacity at or above that peak. For rungs of capacity from the
    serial peak upwards, CP-SAT minimises the makespan under the exact (cumulative) capacity
    starting from the best schedule that fits; the first rung that gets back to the held
-   makespan wins. Starting from a schedule that already fits turns a hard feasibility question
-   into an easy improvement search.
-2. Exact peak minimisation. If no rung got back to the makespan, CP-SAT minimises the exact
-   peak (a cumulative per group whose capacity is a variable) with the makespan held, from the
-   best order so far: slower per step than a rung, but it never loses the makespan.
-3. Time-window neighbourhoods. Tasks starting inside a window around the current peak are
+   makespan wins. Used when the budgets found nothing.
+3. Exact peak minimisation: CP-SAT minimises the exact peak (a cumulative per group whose
+   capacity is a variable) with the makespan held, from the best order so far.
+4. Time-window neighbourhoods. Tasks starting inside a window around the current peak are
    re-timed with everything else fixed, minimising the sum of the groups' peaks. It polishes
-   whatever schedule the rungs leave.
+   whatever schedule the steps before leave.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import time
 from collections.abc import Sequence
 from typing import Any
 
-from .cpsat import solve_cpsat, solve_time_window
+from .cpsat import inflight_counts, solve_cpsat, solve_time_window
 from .evaluate import CompiledProblem, IdOrder
 
 _EPS = 1e-9
@@ -32,6 +39,157 @@ _STALE_ROUNDS = 40
 # Of the time the rungs leave, the exact-peak run takes this share and the windows the rest
 # (on Table 3 the exact run gains more; 0.5 traded 03 for 00 within run-to-run noise).
 _EXACT_SHARE = 0.85
+_BUDGET_SHARE = 0.8
+
+
+Lane = tuple[int, int, int]  # (model, copy, stage)
+# One in-flight budget attempt, plus a second per 400 tasks; on Table 3 the ones that succeed
+# take 1-4 s on 2 cores (8-12 s on the 3,072-task settings).
+_BUDGET_ATTEMPT_SECONDS = 4.0
+_BUDGET_ATTEMPT_MAX = 15.0
+_BUDGET_RESOLUTION = 0.02  # stop bisecting the target ratio below this gap
+_BUDGET_STEP = 0.06
+
+
+def _lanes_by_group(cp: CompiledProblem) -> tuple[list[list[Lane]], dict[Lane, float], dict[Lane, int]]:
+    groups: list[list[Lane]] = [[] for _ in range(cp.num_groups)]
+    act: dict[Lane, float] = {}
+    mbs: dict[Lane, int] = {}
+    for t, task in enumerate(cp.tasks):
+        if task.op != "F":
+            continue
+        lane = (task.model, task.copy, task.stage)
+        if lane not in act:
+            groups[cp.group[t]].append(lane)
+            act[lane] = cp.mem[t]
+        mbs[lane] = mbs.get(lane, 0) + 1
+    return groups, act, mbs
+
+
+def budget_limits(
+    cp: CompiledProblem,
+    base: dict[Lane, int],
+    caps: Sequence[float],
+    rank: Sequence[int] | None,
+) -> dict[Lane, int]:
+    """Per-stage in-flight limits whose worst case fits ``caps`` on every group where the
+    1F1B counts ``base`` leave room.
+
+    ``rank[model]`` orders the models for the headroom (lowest first; the last gives up
+    micro-batches first when a group is over); ``None`` splits it evenly by memory.
+    """
+    groups, act, mbs = _lanes_by_group(cp)
+    k = dict(base)
+    for g, lanes in enumerate(groups):
+        live = [lane for lane in lanes if act[lane] > 0]
+        if not live:
+            continue
+        room = caps[g] - sum(act[lane] * k[lane] for lane in live)
+        if rank is None:
+            share = room / len(live)
+            for lane in live:
+                d = math.floor(share / act[lane] + _EPS)
+                d = max(1 - k[lane], min(mbs[lane] - k[lane], d))
+                k[lane] += d
+                room -= d * act[lane]
+            pref = sorted(live, key=lambda lane: act[lane])
+        else:
+            pref = sorted(live, key=lambda lane: (rank[lane[0]], act[lane]))
+        # Hand out what is left (or take back what is over) one micro-batch at a time.
+        for lane in pref:
+            while room >= act[lane] - _EPS and k[lane] < mbs[lane]:
+                k[lane] += 1
+                room -= act[lane]
+        for lane in reversed(pref):
+            while room < -_EPS and k[lane] > 1:
+                k[lane] -= 1
+                room += act[lane]
+    return k
+
+
+def _budget_ranks(cp: CompiledProblem) -> list[list[int] | None]:
+    """Headroom orders to try: lighter model first, then an even split. (Heavier-first was
+    proven infeasible or left undecided on every Table 3 setting, so it is not tried.)"""
+    work: dict[int, float] = {}
+    for t, task in enumerate(cp.tasks):
+        if task.op == "F" and task.copy == 0:
+            work[task.model] = work.get(task.model, 0.0) + cp.duration[t]
+    rank = [0] * len(work)
+    for r, m in enumerate(sorted(work, key=lambda m: (work[m], m))):
+        rank[m] = r
+    return [rank, None]
+
+
+def _inflight_budgets(
+    cp: CompiledProblem,
+    best: IdOrder,
+    *,
+    makespan: float,
+    deadline: float,
+    base: dict[Lane, int],
+    serial_peak: float,
+    user_caps: Sequence[float],
+    workers: int,
+    seed: int,
+    log: list[dict[str, Any]],
+    lower_bound: float | None = None,
+) -> IdOrder:
+    """Bisect a target peak between the serial peak and the best so far under in-flight limits.
+
+    With ``lower_bound`` below ``makespan`` an attempt keeps shortening the makespan after its
+    first schedule (limits made CP-SAT find shorter schedules than it found without them), and
+    a shorter makespan wins over a lower peak.
+    """
+    floor = makespan if lower_bound is None else min(makespan, lower_bound)
+    ranks = _budget_ranks(cp)
+    # Deciding takes longer on bigger problems (model building included).
+    per_attempt = min(_BUDGET_ATTEMPT_MAX, _BUDGET_ATTEMPT_SECONDS + len(cp.tasks) / 400)
+    lo = 1.0 - _BUDGET_RESOLUTION  # ratios to the serial peak; lo is never known to fail
+    first = 0
+    attempt = 0
+    while True:
+        hi = cp.peak(best) / serial_peak
+        if hi - lo <= _BUDGET_RESOLUTION or deadline - time.perf_counter() < 1.0:
+            break
+        # Successes land close to their target and cost a few seconds; failures cost the whole
+        # attempt. So: one bold first probe, then steps of at most _BUDGET_STEP below the best.
+        if attempt == 0:
+            r = lo + (hi - lo) * 0.3
+        else:
+            r = max(lo + (hi - lo) / 2, hi * (1 - _BUDGET_STEP))
+        r = max(1.0, r)
+        caps = [min(r * serial_peak, u) for u in user_caps]
+        ok = False
+        for j in range(len(ranks)):
+            rank = ranks[(first + j) % len(ranks)]
+            left = deadline - time.perf_counter()
+            if left < 0.5:
+                break
+            limits = budget_limits(cp, base, caps, rank)
+            # No hint: every order at hand breaks the new limits, and hinting one made CP-SAT
+            # chase it instead of the limits (no decision in 5 s where unhinted took 1-3 s).
+            res = solve_cpsat(
+                cp, time_limit=min(per_attempt, left), lower_bound=floor,
+                makespan_cap=makespan, inflight=limits, workers=workers, seed=seed + attempt,
+            )
+            attempt += 1
+            got = None if res.order is None else cp.makespan(res.order)
+            log.append({"budget": round(r, 3), "split": "even" if rank is None else rank,
+                        "status": res.status, "seconds": round(res.seconds, 2)})
+            if (
+                got is not None
+                and got <= makespan + _EPS
+                and all(p <= u + _EPS for p, u in zip(cp.group_peaks(res.order), user_caps))
+                and (got, cp.peak(res.order)) < (makespan, cp.peak(best) - _EPS)
+            ):
+                makespan = got
+                best = res.order
+                first = (first + j) % len(ranks)  # the split that worked goes first next time
+                ok = True
+                break
+        if not ok:
+            lo = r
+    return best
 
 
 def reduce_peak(
@@ -46,21 +204,32 @@ def reduce_peak(
     workers: int = 1,
     seed: int = 0,
     stats: dict[str, Any] | None = None,
+    lower_bound: float | None = None,
 ) -> IdOrder:
     """Return an order with makespan <= ``makespan`` and the lowest peak found in ``seconds``.
 
     ``fallback`` is an order whose every group peak is at most ``serial_peak`` (concatenated
-    1F1B), used to seed the capacity rungs.
+    1F1B), used to seed the capacity rungs. Given the ``lower_bound``, the in-flight budgets
+    may also shorten the makespan towards it; the later steps then hold the shorter one.
     """
     deadline = time.perf_counter() + seconds
     best = [list(g) for g in order]
     log: list[dict[str, Any]] = []
     user_caps = list(caps) if caps is not None else [float("inf")] * cp.num_groups
 
-    # 1) Capacity rungs, lowest first; a rung's best schedule seeds the next (it fits there too).
+    # 1) In-flight budgets: most of the pass when they work, and they fail fast when not.
+    if cp.peak(best) > serial_peak + _EPS:
+        best = _inflight_budgets(
+            cp, best, makespan=makespan, deadline=time.perf_counter() + _BUDGET_SHARE * seconds,
+            base=inflight_counts(cp, fallback), serial_peak=serial_peak, user_caps=user_caps,
+            workers=workers, seed=seed, log=log, lower_bound=lower_bound,
+        )
+        makespan = min(makespan, cp.makespan(best) or makespan)
+
+    # 2) Capacity rungs, lowest first; a rung's best schedule seeds the next (it fits there too).
     seed_order = fallback if cp.fits(fallback, [serial_peak + _EPS] * cp.num_groups) else None
     rungs = [r for r in RUNGS if r * serial_peak < cp.peak(best) - _EPS]
-    rung_share = 0.35 * seconds
+    rung_share = 0.35 * (deadline - time.perf_counter())
     for i, r in enumerate(rungs):
         left = deadline - time.perf_counter()
         if seed_order is None or left < 0.5:
@@ -81,7 +250,7 @@ def reduce_peak(
                 best = res.order
                 break
 
-    # 2) Exact peak with the makespan held, when the rungs did not get there: one long run
+    # 3) Exact peak with the makespan held, when the rungs did not get there: one long run
     # (restarting it from its own best order loses the solver's progress).
     left = deadline - time.perf_counter()
     if cp.peak(best) > serial_peak + _EPS and left > 1.0:
@@ -106,7 +275,7 @@ def reduce_peak(
         ):
             best = res.order
 
-    # 3) Time-window polishing around the peak, until the serial 1F1B peak is matched (the
+    # 4) Time-window polishing around the peak, until the serial 1F1B peak is matched (the
     # paper's best outcome) or windows stop helping.
     rng = random.Random(seed)
     ms = cp.makespan(best) or makespan

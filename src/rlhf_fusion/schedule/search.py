@@ -161,6 +161,7 @@ def search(
             best = reduce_peak(
                 cp, best, makespan=best_ms, seconds=remaining(), fallback=concat,
                 serial_peak=serial_peak, caps=caps, workers=workers, seed=seed, stats=stats,
+                lower_bound=lower_bound,
             )
             note("memory", best)
     if not start_valid:
