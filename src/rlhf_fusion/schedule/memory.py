@@ -212,7 +212,9 @@ def reduce_peak(
     1F1B), used to seed the capacity rungs. Given the ``lower_bound``, the in-flight budgets
     may also shorten the makespan towards it; the later steps then hold the shorter one.
     """
-    deadline = time.perf_counter() + seconds
+    # A CP-SAT model is built before its time limit starts to bind (about a second per 1,500
+    # tasks here), so the last step must start that much before the end.
+    deadline = time.perf_counter() + seconds - len(cp.tasks) / 1500
     best = [list(g) for g in order]
     log: list[dict[str, Any]] = []
     user_caps = list(caps) if caps is not None else [float("inf")] * cp.num_groups
@@ -220,7 +222,7 @@ def reduce_peak(
     # 1) In-flight budgets: most of the pass when they work, and they fail fast when not.
     if cp.peak(best) > serial_peak + _EPS:
         best = _inflight_budgets(
-            cp, best, makespan=makespan, deadline=time.perf_counter() + _BUDGET_SHARE * seconds,
+            cp, best, makespan=makespan, deadline=time.perf_counter() + _BUDGET_SHARE * (deadline - time.perf_counter()),
             base=inflight_counts(cp, fallback), serial_peak=serial_peak, user_caps=user_caps,
             workers=workers, seed=seed, log=log, lower_bound=lower_bound,
         )
