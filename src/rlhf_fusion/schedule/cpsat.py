@@ -51,7 +51,7 @@ def order_from_starts(cp: CompiledProblem, starts: Sequence[float]) -> IdOrder:
     return order
 
 
-def _lanes(cp: CompiledProblem) -> dict[tuple, list[int]]:
+def lanes_of(cp: CompiledProblem) -> dict[tuple, list[int]]:
     """Tasks of each (model, copy, op, stage), in micro-batch order."""
     lanes: dict[tuple, list[int]] = {}
     for t, task in enumerate(cp.tasks):
@@ -121,7 +121,7 @@ def solve_cpsat(
             model.Add(start[t] >= end[cp.pred[t]])
         if cp.succ[t] < 0:
             model.Add(makespan >= end[t])
-    lanes = _lanes(cp)
+    lanes = lanes_of(cp)
     for lane in lanes.values():
         for a, b in zip(lane, lane[1:]):
             model.Add(start[b] >= end[a])
@@ -314,7 +314,7 @@ def solve_time_window(
         p = cp.pred[t]
         if p >= 0 and (free[t] or free[p]):
             model.Add(start[t] >= end[p])
-    lanes = _lanes(cp)
+    lanes = lanes_of(cp)
     for lane in lanes.values():
         for a, b in zip(lane, lane[1:]):
             if free[a] or free[b]:

@@ -14,7 +14,7 @@ Moves, in this order:
    is a valid start under any capacity at or above that peak. For rungs of capacity from the
    serial peak upwards, CP-SAT minimises the makespan under the exact (cumulative) capacity
    starting from the best schedule that fits; the first rung that gets back to the held
-   makespan wins. Used when the budgets found nothing.
+   makespan wins. Only rungs below the best peak so far are tried.
 3. Exact peak minimisation: CP-SAT minimises the exact peak (a cumulative per group whose
    capacity is a variable) with the makespan held, from the best order so far.
 4. Time-window neighbourhoods. Tasks starting inside a window around the current peak are
@@ -30,7 +30,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .cpsat import inflight_counts, solve_cpsat, solve_time_window
+from .cpsat import inflight_counts, lanes_of, solve_cpsat, solve_time_window
 from .evaluate import CompiledProblem, IdOrder
 
 _EPS = 1e-9
@@ -39,10 +39,9 @@ _STALE_ROUNDS = 40
 # Of the time the rungs leave, the exact-peak run takes this share and the windows the rest
 # (on Table 3 the exact run gains more; 0.5 traded 03 for 00 within run-to-run noise).
 _EXACT_SHARE = 0.85
-_BUDGET_SHARE = 0.8
-
 
 Lane = tuple[int, int, int]  # (model, copy, stage)
+_BUDGET_SHARE = 0.8  # of the pass, for the in-flight budgets
 # One in-flight budget attempt, plus a second per 400 tasks; on Table 3 the ones that succeed
 # take 1-4 s on 2 cores (8-12 s on the 3,072-task settings).
 _BUDGET_ATTEMPT_SECONDS = 4.0
@@ -52,17 +51,16 @@ _BUDGET_STEP = 0.06
 
 
 def _lanes_by_group(cp: CompiledProblem) -> tuple[list[list[Lane]], dict[Lane, float], dict[Lane, int]]:
+    """Per group the stages it hosts, and each stage's activation and micro-batch count."""
     groups: list[list[Lane]] = [[] for _ in range(cp.num_groups)]
     act: dict[Lane, float] = {}
     mbs: dict[Lane, int] = {}
-    for t, task in enumerate(cp.tasks):
-        if task.op != "F":
-            continue
-        lane = (task.model, task.copy, task.stage)
-        if lane not in act:
-            groups[cp.group[t]].append(lane)
-            act[lane] = cp.mem[t]
-        mbs[lane] = mbs.get(lane, 0) + 1
+    for (model, copy, op, stage), tasks in lanes_of(cp).items():
+        if op == "F":
+            lane = (model, copy, stage)
+            groups[cp.group[tasks[0]]].append(lane)
+            act[lane] = cp.mem[tasks[0]]
+            mbs[lane] = len(tasks)
     return groups, act, mbs
 
 
@@ -144,7 +142,8 @@ def _inflight_budgets(
     ranks = _budget_ranks(cp)
     # Deciding takes longer on bigger problems (model building included).
     per_attempt = min(_BUDGET_ATTEMPT_MAX, _BUDGET_ATTEMPT_SECONDS + len(cp.tasks) / 400)
-    lo = 1.0 - _BUDGET_RESOLUTION  # ratios to the serial peak; lo is never known to fail
+    # Ratios to the serial peak; lo is the highest target that failed (none yet: just below 1).
+    lo = 1.0 - _BUDGET_RESOLUTION
     first = 0
     attempt = 0
     while True:
@@ -221,8 +220,9 @@ def reduce_peak(
 
     # 1) In-flight budgets: most of the pass when they work, and they fail fast when not.
     if cp.peak(best) > serial_peak + _EPS:
+        share = _BUDGET_SHARE * (deadline - time.perf_counter())
         best = _inflight_budgets(
-            cp, best, makespan=makespan, deadline=time.perf_counter() + _BUDGET_SHARE * (deadline - time.perf_counter()),
+            cp, best, makespan=makespan, deadline=time.perf_counter() + share,
             base=inflight_counts(cp, fallback), serial_peak=serial_peak, user_caps=user_caps,
             workers=workers, seed=seed, log=log, lower_bound=lower_bound,
         )
