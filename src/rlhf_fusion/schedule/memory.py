@@ -48,6 +48,8 @@ _BUDGET_ATTEMPT_SECONDS = 4.0
 _BUDGET_ATTEMPT_MAX = 15.0
 _BUDGET_RESOLUTION = 0.02  # stop bisecting the target ratio below this gap
 _BUDGET_STEP = 0.06
+# The in-flight budget (x the serial peak) under which the search first looks for the bound.
+BOUND_BUDGET = 1.5
 
 
 def _lanes_by_group(cp: CompiledProblem) -> tuple[list[list[Lane]], dict[Lane, float], dict[Lane, int]]:
@@ -118,6 +120,21 @@ def _budget_ranks(cp: CompiledProblem) -> list[list[int] | None]:
     return [rank, None]
 
 
+def bound_budget_limits(
+    cp: CompiledProblem, concat: IdOrder, ratio: float, caps: Sequence[float] | None
+) -> dict[Lane, int] | None:
+    """In-flight limits for ``ratio`` x the serial 1F1B peak (within ``caps``), headroom to the
+    lighter model first; None when the problem has no group over the serial peak to limit."""
+    serial_peak = max(cp.group_peaks(concat))
+    if serial_peak <= 0:
+        return None
+    user = list(caps) if caps is not None else [float("inf")] * cp.num_groups
+    return budget_limits(
+        cp, inflight_counts(cp, concat), [min(ratio * serial_peak, u) for u in user],
+        _budget_ranks(cp)[0],
+    )
+
+
 def _inflight_budgets(
     cp: CompiledProblem,
     best: IdOrder,
@@ -151,9 +168,11 @@ def _inflight_budgets(
         if hi - lo <= _BUDGET_RESOLUTION or deadline - time.perf_counter() < 1.0:
             break
         # Successes land close to their target and cost a few seconds; failures cost the whole
-        # attempt. So: one bold first probe, then steps of at most _BUDGET_STEP below the best.
+        # attempt. So: one bold first probe from a high peak (never below a step under
+        # BOUND_BUDGET, which the at-bound search reaches), then steps of at most
+        # _BUDGET_STEP below the best.
         if attempt == 0:
-            r = lo + (hi - lo) * 0.3
+            r = max(lo + (hi - lo) * 0.3, min(hi, BOUND_BUDGET) * (1 - _BUDGET_STEP))
         else:
             r = max(lo + (hi - lo) / 2, hi * (1 - _BUDGET_STEP))
         r = max(1.0, r)
@@ -186,6 +205,8 @@ def _inflight_budgets(
                 first = (first + j) % len(ranks)  # the split that worked goes first next time
                 ok = True
                 break
+            if not res.infeasible:
+                break  # undecided: too hard at this target for any split, so raise it
         if not ok:
             lo = r
     return best
