@@ -376,3 +376,22 @@ def test_inflight_budgets_split_the_headroom_and_bind_the_solver():
     assert all(counts[lane] <= limits[lane] for lane in limits)
     assert cp.peak(res.order) <= cap + 1e-9
     validate(problem, cp.tasks_of(res.order))
+
+
+def test_at_bound_search_starts_under_inflight_limits():
+    """``auto`` looks for the bound first under in-flight limits worth BOUND_BUDGET x the
+    serial peak: on table3-04 that attempt succeeds, so the schedule handed to the memory pass
+    is already within the budget (a memory-blind one there holds about 2x)."""
+    from rlhf_fusion.schedule.memory import BOUND_BUDGET
+
+    inst = next(i for i in _table3() if i["id"] == "table3-04")
+    problem = Problem.from_dict(inst["problem"])
+    s = solve(problem, "auto", time_limit=20, workers=2)
+    serial_peak = inst["reference"]["serial_peak_activation"]
+    assert s.stats["cpsat_at_bound"][0] == "limited OPTIMAL"
+    at_bound = next(p for p in s.stats["phases"] if p["phase"] == "cpsat-bound")
+    assert at_bound["makespan"] == inst["reference"]["lower_bound"]
+    assert at_bound["peak_activation"] <= BOUND_BUDGET * serial_peak + 0.01
+    assert s.makespan == s.lower_bound
+    assert s.peak_activation <= at_bound["peak_activation"] + 1e-9
+    validate(problem, s.order)

@@ -101,7 +101,8 @@ def search(
         # same model takes 6 s with one seed and times out with another), so it restarts with
         # another hint and seed rather than spending the whole share on one run.
         if best_ms > lower_bound + 1e-9:
-            share = phase1 * 0.7
+            # Enough for one limited and one long unconstrained attempt on 09 (12 + 22 s).
+            share = phase1 * 0.85
             # Every other attempt, the first included, runs under in-flight limits worth
             # BOUND_BUDGET x the serial peak:
             # limits are precedences that prune the search, so on Table 3 these find the bound
