@@ -1,9 +1,10 @@
 """The search behind ``solve(solver="anneal" | "cpsat" | "auto")``.
 
-``auto``: greedy, a short anneal from it, then CP-SAT. CP-SAT first asks whether the lower
-bound is reachable (a makespan capped at the bound propagates strongly and is usually decided
-in seconds), falls back to minimising the makespan from the best order so far, and spends the
-rest of the budget on the memory pass with the makespan held.
+``auto``: greedy, then CP-SAT. CP-SAT first asks whether the lower bound is reachable (a
+makespan capped at the bound propagates strongly and is usually decided in seconds; half the
+attempts also keep activation memory within in-flight limits). If not, a short anneal gives a
+better hint for minimising the makespan. The rest of the budget goes to the memory pass, with
+the makespan held.
 """
 
 from __future__ import annotations
@@ -99,17 +100,16 @@ def search(
         phase1 = remaining() * (0.7 if memory_pass else 1.0)
         # 1) Is the lower bound reachable? CP-SAT's time to decide this is heavy-tailed (the
         # same model takes 6 s with one seed and times out with another), so it restarts with
-        # another hint and seed rather than spending the whole share on one run.
+        # another seed rather than spending the whole share on one run. Every other attempt,
+        # the first included, runs under in-flight limits worth BOUND_BUDGET x the serial
+        # peak: limits are precedences that prune the search, so on Table 3 these find the
+        # bound sooner (06: 4 of 4 seeds in 7-12 s; unconstrained runs took 10-13 s) and hand
+        # the memory pass a schedule near 1.5x instead of 2-5x. The unconstrained attempts in
+        # between cover problems where the limits exclude every schedule at the bound (09
+        # succeeded under them in 1 of 4 tries).
         if best_ms > lower_bound + 1e-9:
             # Enough for one limited and one long unconstrained attempt on 09 (12 + 22 s).
             share = phase1 * 0.85
-            # Every other attempt, the first included, runs under in-flight limits worth
-            # BOUND_BUDGET x the serial peak:
-            # limits are precedences that prune the search, so on Table 3 these find the bound
-            # sooner than unconstrained attempts (06: 3 of 3 seeds in 8-12 s, where
-            # unconstrained runs needed two 12 s attempts) and hand the memory pass a schedule
-            # already near 1.5x instead of 2-5x. Unconstrained ones alternate with them, since
-            # the limits may exclude every schedule at the bound.
             from .memory import BOUND_BUDGET, bound_budget_limits
 
             limits = bound_budget_limits(cp, concat, BOUND_BUDGET, caps) if memory_pass else None
