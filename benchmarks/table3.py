@@ -65,6 +65,9 @@ def main() -> None:
                 "wall_seconds": round(wall, 1),
                 "cpu_seconds": round(wall * args.workers, 1),
                 "phases": ours.stats.get("phases", []),
+                # Every CP-SAT attempt of the search, for reading why a setting came out as it did.
+                "at_bound_attempts": ours.stats.get("cpsat_at_bound", []),
+                "memory_pass": ours.stats.get("memory_pass", {}).get("rungs", []),
             },
             "anneal": {
                 "makespan": ann.makespan,
