@@ -165,9 +165,9 @@ def _inflight_budgets(
     attempt = 0
     probe = 0  # attempts since the last restart
     undecided = False  # did a target fail without a proof since the last restart?
-    # A target that timed out once is tried once more with another seed before it counts as
-    # failed: at a target that works, runs either finish in 5-7 s or not at all (06 at 1.41x:
-    # 3 of 4), so one unlucky seed must not end the descent.
+    # A target that timed out once is tried once more, with another seed and the other split
+    # first, before it counts as failed: runs that work finish in 5-7 s or not at all (06 at
+    # 1.41x: 3 of 4 seeds), and where one split times out the other may not (00 at 1.2x).
     retry: float | None = None
     while deadline - time.perf_counter() >= 1.0:
         hi = cp.peak(best) / serial_peak
@@ -187,6 +187,7 @@ def _inflight_budgets(
         # _BUDGET_STEP below the best.
         if retry is not None:
             r, retry, retried = retry, None, True
+            first = (first + 1) % len(ranks)
         elif probe == 0:
             r, retried = max(lo + (hi - lo) * 0.3, min(hi, BOUND_BUDGET) * (1 - _BUDGET_STEP)), False
         else:
