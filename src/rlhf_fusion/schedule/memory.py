@@ -121,17 +121,13 @@ def _budget_ranks(cp: CompiledProblem) -> list[list[int] | None]:
 
 
 def bound_budget_limits(
-    cp: CompiledProblem, concat: IdOrder, ratio: float, caps: Sequence[float] | None
-) -> dict[Lane, int] | None:
-    """In-flight limits for ``ratio`` x the serial 1F1B peak (within ``caps``), headroom to the
-    lighter model first; None when the problem has no group over the serial peak to limit."""
-    serial_peak = max(cp.group_peaks(concat))
-    if serial_peak <= 0:
-        return None
+    cp: CompiledProblem, concat: IdOrder, target: float, caps: Sequence[float] | None
+) -> dict[Lane, int]:
+    """In-flight limits for a peak of ``target`` (within ``caps``) from concatenated 1F1B's
+    counts, headroom to the lighter model first."""
     user = list(caps) if caps is not None else [float("inf")] * cp.num_groups
     return budget_limits(
-        cp, inflight_counts(cp, concat), [min(ratio * serial_peak, u) for u in user],
-        _budget_ranks(cp)[0],
+        cp, inflight_counts(cp, concat), [min(target, u) for u in user], _budget_ranks(cp)[0]
     )
 
 
@@ -224,10 +220,11 @@ def _inflight_budgets(
                 ok = True
                 break
             if not res.infeasible:
+                # Too hard at this target for now: one retry (above), then raise it.
                 undecided = True
                 if not retried:
                     retry = r
-                break  # too hard at this target for any split: raise it
+                break
         if not ok and retry is None:
             lo = r
     return best

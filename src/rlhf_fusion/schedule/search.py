@@ -17,6 +17,7 @@ from .baselines import concatenated_1f1b
 from .cpsat import solve_cpsat
 from .evaluate import CompiledProblem, IdOrder
 from .greedy import greedy
+from .memory import BOUND_BUDGET, bound_budget_limits, reduce_peak
 from .problem import Problem, ProblemError, Task
 
 # One at-the-bound CP-SAT attempt; the ones that succeed on Table 3 take 1-10 s on 2 cores.
@@ -60,6 +61,7 @@ def search(
     # A valid start: the greedy, or concatenated 1F1B (whose per-group peak is the serial one)
     # when the greedy breaks the capacity.
     concat = cp.ids(concatenated_1f1b(problem))
+    serial_peak = max(cp.group_peaks(concat))
     best = cp.ids(greedy(problem))
     if not cp.fits(best, caps):
         best = concat
@@ -110,9 +112,10 @@ def search(
         if best_ms > lower_bound + 1e-9:
             # Enough for one limited and one long unconstrained attempt on 09 (12 + 22 s).
             share = phase1 * 0.85
-            from .memory import BOUND_BUDGET, bound_budget_limits
-
-            limits = bound_budget_limits(cp, concat, BOUND_BUDGET, caps) if memory_pass else None
+            limits = (
+                bound_budget_limits(cp, concat, BOUND_BUDGET * serial_peak, caps)
+                if memory_pass and serial_peak > 0 else None
+            )
             # Unhinted first: on 09 (the hardest) the unhinted run is the one that got there.
             hints = [None, best if start_valid else None, concat]
             attempt = unconstrained = 0
@@ -179,9 +182,6 @@ def search(
             )
         # 3) Memory pass: hold the makespan, lower the peak.
         if memory_pass and remaining() > 0.5:
-            from .memory import reduce_peak
-
-            serial_peak = max(cp.group_peaks(concat))
             best = reduce_peak(
                 cp, best, makespan=best_ms, seconds=remaining(), fallback=concat,
                 serial_peak=serial_peak, caps=caps, workers=workers, seed=seed, stats=stats,
