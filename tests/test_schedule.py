@@ -395,3 +395,26 @@ def test_at_bound_search_starts_under_inflight_limits():
     assert s.makespan == s.lower_bound
     assert s.peak_activation <= at_bound["peak_activation"] + 1e-9
     validate(problem, s.order)
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(problems(max_groups=4), st.sampled_from([1.0, 1.15, 1.4]))
+def test_staircase_limits_keep_every_schedule_within_the_capacity(problem, factor):
+    """Whatever switch points CP-SAT picks, a schedule obeying the staircase precedences is
+    within the capacity they were built for (the memory pass relies on that and skips the
+    exact cumulative)."""
+    from rlhf_fusion.schedule.cpsat import inflight_counts, solve_cpsat
+    from rlhf_fusion.schedule.evaluate import CompiledProblem
+    from rlhf_fusion.schedule.staircase import staircase_constraints
+
+    cp = CompiledProblem(problem)
+    concat = cp.ids(concatenated_1f1b(problem))
+    caps = [factor * max(cp.group_peaks(concat))] * cp.num_groups
+    for burster in (0, 1):
+        extra = staircase_constraints(cp, inflight_counts(cp, concat), caps, burster)
+        if extra is None:
+            continue
+        res = solve_cpsat(cp, time_limit=5, extra=extra, workers=1)
+        if res.order is not None:
+            assert cp.fits(res.order, caps), (burster, cp.group_peaks(res.order), caps)
+            validate(problem, cp.tasks_of(res.order))

@@ -87,12 +87,15 @@ def solve_cpsat(
     workers: int = 1,
     seed: int = 0,
     on_solution: Callable[[float], None] | None = None,
+    extra: Callable[..., None] | None = None,
 ) -> CpSatResult:
     """One CP-SAT pass.
 
     ``minimize="makespan"``: minimise the makespan, within ``makespan_cap`` if given (a cap at
     the lower bound turns it into a fast feasibility check), respecting ``memory_cap`` (per
     group, exact cumulative encoding) if given.
+    ``extra(model, start, end, lanes)`` may add constraints (``staircase.py`` adds its
+    precedences) before the model is solved.
     ``minimize="peak"``: minimise the in-flight memory bound with the makespan held at
     ``makespan_cap``; ``memory_cap`` bounds each group's in-flight bound.
     """
@@ -129,6 +132,8 @@ def solve_cpsat(
         fl, bl = lanes[(mi, c, "F", s)], lanes[(mi, c, "B", s)]
         for i in range(len(fl) - k):
             model.Add(start[fl[i + k]] >= end[bl[i]])
+    if extra is not None:
+        extra(model, start, end, lanes)
     groups: list[list[int]] = [[] for _ in range(cp.num_groups)]
     for t in range(n):
         groups[cp.group[t]].append(t)
