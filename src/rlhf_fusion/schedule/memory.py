@@ -196,6 +196,12 @@ def _inflight_budgets(
         if retry is not None:
             r, retry, retried = retry, None, True
             first = (first + 1) % len(ranks)
+        elif hi > BOUND_BUDGET + _EPS and ranks[first] == STAIRCASE:
+            # From a memory-blind start (the at-bound search ended unconstrained) a staircase
+            # at a high target goes undecided on big settings (table3-09 at 2.06x: 20 s),
+            # where one bold fixed-limit probe gets to 1.5x in seconds.
+            first = 1
+            continue
         elif ranks[first] == STAIRCASE:
             r, retried = lo + (hi - lo) * (0.55 if probe == 0 else 0.5), False
         elif probe == 0:
@@ -239,7 +245,8 @@ def _inflight_budgets(
             ):
                 makespan = got
                 best = res.order
-                first = (first + j) % len(ranks)  # the split that worked goes first next time
+                # The split that worked goes first next time; staircases once under 1.5x.
+                first = 0 if cp.peak(best) <= BOUND_BUDGET * serial_peak + _EPS else (first + j) % len(ranks)
                 ok = True
                 break
             if not res.infeasible:
