@@ -347,9 +347,9 @@ def test_inflight_budgets_split_the_headroom_and_bind_the_solver():
     """The memory pass's in-flight budgets: limits whose worst case fits the target on every
     group, headroom to the lighter model (the critic here), and a CP-SAT schedule at the bound
     that keeps every stage within its limit, so its peak is within the target."""
-    from rlhf_fusion.schedule.cpsat import inflight_counts, solve_cpsat
+    from rlhf_fusion.schedule.cpsat import inflight_counts, solve_cpsat, stages_by_group
     from rlhf_fusion.schedule.evaluate import CompiledProblem
-    from rlhf_fusion.schedule.memory import _budget_ranks, _lanes_by_group, budget_limits
+    from rlhf_fusion.schedule.memory import _budget_ranks, budget_limits
 
     inst = next(i for i in _table3() if i["id"] == "table3-04")
     problem = Problem.from_dict(inst["problem"])
@@ -360,7 +360,7 @@ def test_inflight_budgets_split_the_headroom_and_bind_the_solver():
     light_first = _budget_ranks(cp)[0]
     assert light_first == [1, 0]  # the critic's stages are lighter
     limits = budget_limits(cp, base, [cap] * cp.num_groups, light_first)
-    groups, act, mbs = _lanes_by_group(cp)
+    groups, act, mbs = stages_by_group(cp)
     for lanes in groups:
         assert sum(act[lane] * limits[lane] for lane in lanes) <= cap + 1e-9
         for lane in lanes:
@@ -411,10 +411,11 @@ def test_staircase_limits_keep_every_schedule_within_the_capacity(problem, facto
     concat = cp.ids(concatenated_1f1b(problem))
     caps = [factor * max(cp.group_peaks(concat))] * cp.num_groups
     for burster in (0, 1):
-        extra = staircase_constraints(cp, inflight_counts(cp, concat), caps, burster)
-        if extra is None:
+        stair = staircase_constraints(cp, inflight_counts(cp, concat), caps, burster)
+        if stair is None:
             continue
-        res = solve_cpsat(cp, time_limit=5, extra=extra, workers=1)
+        limits, extra = stair
+        res = solve_cpsat(cp, time_limit=5, inflight=limits, extra=extra, workers=1)
         if res.order is not None:
             assert cp.fits(res.order, caps), (burster, cp.group_peaks(res.order), caps)
             validate(problem, cp.tasks_of(res.order))

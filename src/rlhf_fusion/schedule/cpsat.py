@@ -61,6 +61,23 @@ def lanes_of(cp: CompiledProblem) -> dict[tuple, list[int]]:
     return lanes
 
 
+Stage = tuple[int, int, int]  # (model, copy, stage)
+
+
+def stages_by_group(cp: CompiledProblem) -> tuple[list[list[Stage]], dict[Stage, float], dict[Stage, int]]:
+    """Per group the model stages it hosts, and each stage's activation and micro-batch count."""
+    groups: list[list[Stage]] = [[] for _ in range(cp.num_groups)]
+    act: dict[Stage, float] = {}
+    mbs: dict[Stage, int] = {}
+    for (model, copy, op, stage), tasks in lanes_of(cp).items():
+        if op == "F":
+            lane = (model, copy, stage)
+            groups[cp.group[tasks[0]]].append(lane)
+            act[lane] = cp.mem[tasks[0]]
+            mbs[lane] = len(tasks)
+    return groups, act, mbs
+
+
 def inflight_counts(cp: CompiledProblem, order: IdOrder) -> dict[tuple, int]:
     """Largest number of micro-batches each (model, copy, stage) holds at once under ``order``."""
     out: dict[tuple, int] = {}

@@ -32,7 +32,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from .cpsat import inflight_counts, lanes_of, solve_cpsat, solve_time_window
+from .cpsat import Stage as Lane
+from .cpsat import inflight_counts, solve_cpsat, solve_time_window, stages_by_group
 from .evaluate import CompiledProblem, IdOrder
 from .staircase import staircase_constraints
 
@@ -43,7 +44,6 @@ _STALE_ROUNDS = 40
 # (on Table 3 the exact run gains more; 0.5 traded 03 for 00 within run-to-run noise).
 _EXACT_SHARE = 0.85
 
-Lane = tuple[int, int, int]  # (model, copy, stage)
 _BUDGET_SHARE = 0.9  # of the pass, for the in-flight budgets
 # One in-flight budget attempt, plus a second per 400 tasks; on Table 3 the ones that succeed
 # take 1-4 s on 2 cores (8-12 s on the 3,072-task settings).
@@ -60,20 +60,6 @@ STAIRCASE = "staircase"
 BOUND_BUDGET = 1.5
 
 
-def _lanes_by_group(cp: CompiledProblem) -> tuple[list[list[Lane]], dict[Lane, float], dict[Lane, int]]:
-    """Per group the stages it hosts, and each stage's activation and micro-batch count."""
-    groups: list[list[Lane]] = [[] for _ in range(cp.num_groups)]
-    act: dict[Lane, float] = {}
-    mbs: dict[Lane, int] = {}
-    for (model, copy, op, stage), tasks in lanes_of(cp).items():
-        if op == "F":
-            lane = (model, copy, stage)
-            groups[cp.group[tasks[0]]].append(lane)
-            act[lane] = cp.mem[tasks[0]]
-            mbs[lane] = len(tasks)
-    return groups, act, mbs
-
-
 def budget_limits(
     cp: CompiledProblem,
     base: dict[Lane, int],
@@ -86,7 +72,7 @@ def budget_limits(
     ``rank[model]`` orders the models for the headroom (lowest first; the last gives up
     micro-batches first when a group is over); ``None`` splits it evenly by memory.
     """
-    groups, act, mbs = _lanes_by_group(cp)
+    groups, act, mbs = stages_by_group(cp)
     k = dict(base)
     for g, lanes in enumerate(groups):
         live = [lane for lane in lanes if act[lane] > 0]
@@ -220,12 +206,14 @@ def _inflight_budgets(
             # No hint: every order at hand breaks the new limits, and hinting one made CP-SAT
             # chase it instead of the limits (no decision in 5 s where unhinted took 1-3 s).
             if rank == STAIRCASE:
-                extra = staircase_constraints(cp, base, caps, burster)
-                if extra is None:
+                stair = staircase_constraints(cp, base, caps, burster)
+                if stair is None:
                     continue
+                limits, extra = stair
                 res = solve_cpsat(
                     cp, time_limit=min(per_attempt * _STAIR_TIME, _STAIR_MAX, left), lower_bound=floor,
-                    makespan_cap=makespan, extra=extra, workers=workers, seed=seed + attempt,
+                    makespan_cap=makespan, inflight=limits, extra=extra, workers=workers,
+                    seed=seed + attempt,
                 )
             else:
                 res = solve_cpsat(

@@ -1,4 +1,4 @@
-"""Staircase in-flight limits: fixed limits that change once, at a point CP-SAT chooses.
+"""Staircase in-flight limits: a limit that steps down at points CP-SAT chooses.
 
 Fixed in-flight limits (``memory.budget_limits``) give each model on a group one count for the
 whole run, so a group whose two residents both peak at their 1F1B counts needs room for both
@@ -29,80 +29,68 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from .cpsat import lanes_of
+from .cpsat import Stage, stages_by_group
 from .evaluate import CompiledProblem
 
 _EPS = 1e-9
-Lane = tuple[int, int, int]  # (model, copy, stage)
+Build = Callable[..., None]  # solve_cpsat(extra=...): (model, start, end, lanes) -> None
 
 
 def staircase_constraints(
     cp: CompiledProblem,
-    base: dict[Lane, int],
+    base: dict[Stage, int],
     caps: Sequence[float],
     burster: int,
-) -> Callable[..., None] | None:
-    """A ``solve_cpsat(extra=...)`` callback that keeps every group within ``caps``.
+) -> tuple[dict[Stage, int], Build] | None:
+    """Fixed in-flight limits and a ``solve_cpsat(extra=...)`` callback that together keep
+    every group within ``caps`` (pass both: ``inflight=limits, extra=build``).
 
     ``base`` holds the 1F1B in-flight counts, ``burster`` is the model allowed to run ahead.
-    Groups hosting other than two residents with activations get fixed limits of
-    ``floor(cap / activation)`` each when alone, or are left to the caller (``None`` is
-    returned when a group cannot be covered, or the capacity is too small for the template).
+    A group with one resident holding activations gets the fixed limit ``floor(cap /
+    activation)``. ``None`` when a group hosts more than two such residents, or the capacity
+    leaves no room for the template.
     """
-    plans: list[tuple[Any, ...]] = []
-    by_group: dict[int, list[Lane]] = {}
-    act: dict[Lane, float] = {}
-    mbs: dict[Lane, int] = {}
-    for (model, copy, op, stage), tasks in lanes_of(cp).items():
-        if op != "F":
+    groups, act, mbs = stages_by_group(cp)
+    limits: dict[Stage, int] = {}
+    stairs: list[tuple[Stage, Stage, list[tuple[int, int]]]] = []
+    for g, hosted in enumerate(groups):
+        live = [lane for lane in hosted if act[lane] > 0]
+        if not live:
             continue
-        lane = (model, copy, stage)
-        act[lane], mbs[lane] = cp.mem[tasks[0]], len(tasks)
-        if act[lane] > 0:
-            by_group.setdefault(cp.group[tasks[0]], []).append(lane)
-    for g, lanes in by_group.items():
         cap = caps[g]
-        if len(lanes) == 1:
-            (lane,) = lanes
-            k = math.floor(cap / act[lane] + _EPS)
-            if k < 1:
+        if len(live) == 1:
+            limits[live[0]] = math.floor(cap / act[live[0]] + _EPS)
+            if limits[live[0]] < 1:
                 return None
-            plans.append(("fixed", lane, k))
             continue
-        bursting = [lane for lane in lanes if lane[0] == burster]
-        steady = [lane for lane in lanes if lane[0] != burster]
-        if len(lanes) != 2 or len(bursting) != 1:
+        bursting = [lane for lane in live if lane[0] == burster]
+        if len(live) != 2 or len(bursting) != 1:
             return None
-        b, s = bursting[0], steady[0]
+        b = bursting[0]
+        s = live[1 - live.index(b)]
         a = min(base[s], mbs[s], math.floor((cap - act[b]) / act[s] + _EPS))
-        if a < 1:
-            return None
 
-        def fits_beside(x: int, b: Lane = b, s: Lane = s, cap: float = cap) -> int:
+        def fits_beside(x: int, b: Stage = b, s: Stage = s, cap: float = cap) -> int:
             return max(0, min(mbs[b], math.floor((cap - act[s] * x) / act[b] + _EPS)))
 
-        levels = [(t, fits_beside(t + 1 if t + 1 < a else a)) for t in range(1, a)]
-        first_k = fits_beside(1)
-        if first_k < 1 or fits_beside(a) < 1:
+        if a < 1 or fits_beside(1) < 1 or fits_beside(a) < 1:
             return None
-        plans.append(("stair", s, a, b, first_k, levels))
+        limits[s], limits[b] = a, fits_beside(1)
+        # (T_l, K_l): from S's forward T_l on, B holds at most K_l; only the real steps down.
+        steps, k_prev = [], limits[b]
+        for t in range(1, a):
+            k = fits_beside(t + 1)
+            if k < k_prev:
+                steps.append((t, k))
+                k_prev = k
+        stairs.append((s, b, steps))
 
     def build(model: Any, start: Sequence[Any], end: Sequence[Any], lanes: dict) -> None:
-        for plan in plans:
-            if plan[0] == "fixed":
-                _, lane, k = plan
-                _limit(model, start, end, lanes, lane, k)
-                continue
-            _, s, a, b, first_k, levels = plan
-            _limit(model, start, end, lanes, s, a)
-            _limit(model, start, end, lanes, b, first_k)
+        for s, b, steps in stairs:
             fs = lanes[(s[0], s[1], "F", s[2])]
             fb, bb = lanes[(b[0], b[1], "F", b[2])], lanes[(b[0], b[1], "B", b[2])]
-            prev_k, prev = first_k, None
-            for t, k in levels:
-                # ``levels[l]`` is (T_l, K_l): from S's forward T_l on, B holds at most K_l.
-                if k >= prev_k or t >= len(fs):
-                    continue
+            prev = None
+            for t, k in steps:
                 on = [model.NewBoolVar("") for _ in fb]  # B's forward i is past the step
                 for i in range(len(fb) - 1):
                     model.AddImplication(on[i], on[i + 1])
@@ -114,13 +102,6 @@ def staircase_constraints(
                     # Before the step, B may have ``i`` forwards going: S's forward T_l
                     # waits until all but ``k`` of them are back.
                     model.Add(start[fs[t]] >= end[bb[i - k]]).OnlyEnforceIf(on[i].Not())
-                prev_k, prev = k, on
+                prev = on
 
-    return build
-
-
-def _limit(model: Any, start: Sequence[Any], end: Sequence[Any], lanes: dict, lane: Lane, k: int) -> None:
-    fl = lanes[(lane[0], lane[1], "F", lane[2])]
-    bl = lanes[(lane[0], lane[1], "B", lane[2])]
-    for i in range(len(fl) - k):
-        model.Add(start[fl[i + k]] >= end[bl[i]])
+    return limits, build
