@@ -17,8 +17,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from .evaluate import CompiledProblem, IdOrder
 
@@ -105,6 +106,7 @@ def solve_cpsat(
     seed: int = 0,
     on_solution: Callable[[float], None] | None = None,
     extra: Callable[..., None] | None = None,
+    params: Mapping[str, Any] | None = None,
 ) -> CpSatResult:
     """One CP-SAT pass.
 
@@ -112,7 +114,7 @@ def solve_cpsat(
     the lower bound turns it into a fast feasibility check), respecting ``memory_cap`` (per
     group, exact cumulative encoding) if given.
     ``extra(model, start, end, lanes)`` may add constraints (``staircase.py`` adds its
-    precedences) before the model is solved.
+    precedences) before the model is solved. ``params`` overrides CP-SAT parameters by name.
     ``minimize="peak"``: minimise the in-flight memory bound with the makespan held at
     ``makespan_cap``; ``memory_cap`` bounds each group's in-flight bound.
     """
@@ -230,6 +232,8 @@ def solve_cpsat(
     solver.parameters.max_time_in_seconds = max(0.05, time_limit - (time.perf_counter() - t0))
     solver.parameters.num_workers = max(1, workers)
     solver.parameters.random_seed = seed
+    for name, value in (params or {}).items():
+        setattr(solver.parameters, name, value)
     # Not repair_hint: with OR-Tools 9.15 it aborts the whole process on some of these models
     # ("Check failed: heuristics.fixed_search != nullptr", google/or-tools#5025), even though
     # it took table3-01 from 1.0096x to 1.0032x the serial peak in 3 s.
