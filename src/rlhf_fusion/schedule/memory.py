@@ -55,6 +55,10 @@ _BUDGET_STEP = 0.06
 # on table3-07 it decides 1.3x and 1.15x in 7-9 s and 1.0x in 27 s on 2 cores.
 _STAIR_TIME = 3.0
 _STAIR_MAX = 20.0
+# After the first staircase, targets step down at most this far below the best peak: hinted
+# steps that size take 2-7 s on Table 3, where halving the gap went undecided for 20 s
+# (table3-10 1.24x -> 1.11x; in isolation 1.2x takes 4 s and 1.15x is undecided in 30 s).
+_STAIR_STEP = 0.06
 # CP-SAT's presolve probing spent 21 s of a 30 s staircase attempt on table3-10 (its step
 # booleans) and then stopped; without it the same model is decided in 4 s (06: 7 s).
 _STAIR_PARAMS = {"cp_model_probing_level": 0}
@@ -180,8 +184,8 @@ def _inflight_budgets(
         # Successes land close to their target and cost a few seconds; failures cost the whole
         # attempt. With fixed limits: one bold first probe from a high peak (never below a
         # step under BOUND_BUDGET, which the at-bound search reaches), then steps of at most
-        # _BUDGET_STEP below the best. Staircases reach far lower peaks in about the same
-        # time (table3-07: 7-13 s anywhere from 1.4x down to 1.06x), so they bisect plainly.
+        # _BUDGET_STEP below the best. Staircases reach far lower peaks: one probe just past
+        # halfway, then bisection in steps of at most _STAIR_STEP.
         if retry is not None:
             r, retry, retried = retry, None, True
             first = (first + 1) % len(ranks)
@@ -192,7 +196,8 @@ def _inflight_budgets(
             first = 1
             continue
         elif ranks[first] == STAIRCASE:
-            r, retried = lo + (hi - lo) * (0.55 if probe == 0 else 0.5), False
+            r = lo + (hi - lo) * 0.55 if probe == 0 else max(lo + (hi - lo) / 2, hi - _STAIR_STEP)
+            retried = False
         elif probe == 0:
             r, retried = max(lo + (hi - lo) * 0.3, min(hi, BOUND_BUDGET) * (1 - _BUDGET_STEP)), False
         else:
@@ -207,7 +212,9 @@ def _inflight_budgets(
             if left < 0.5:
                 break
             # No hint: every order at hand breaks the new limits, and hinting one made CP-SAT
-            # chase it instead of the limits (no decision in 5 s where unhinted took 1-3 s).
+            # chase it instead of the limits (no decision in 5 s where unhinted took 1-3 s;
+            # a staircase hinted with the last staircase schedule: table3-10 at 1.18x took
+            # 13 s or more, unhinted 4 s).
             if rank == STAIRCASE:
                 stair = staircase_constraints(cp, base, caps, burster)
                 if stair is None:
