@@ -53,8 +53,8 @@ _BUDGET_RESOLUTION = 0.02  # stop bisecting the target ratio below this gap
 _BUDGET_STEP = 0.06
 # A staircase attempt (``staircase.py``) gets this many times a fixed-limit attempt's time:
 # on table3-07 it decides 1.3x and 1.15x in 7-9 s and 1.0x in 27 s on 2 cores.
-_STAIR_TIME = 3.0
-_STAIR_MAX = 20.0
+_STAIR_TIME = 4.0
+_STAIR_MAX = 25.0
 # After the first staircase, targets step down at most this far below the best peak: hinted
 # steps that size take 2-7 s on Table 3, where halving the gap went undecided for 20 s
 # (table3-10 1.24x -> 1.11x; in isolation 1.2x takes 4 s and 1.15x is undecided in 30 s).
@@ -63,6 +63,10 @@ _STAIR_STEP = 0.06
 # booleans) and then stopped; without it the same model is decided in 4 s (06: 7 s).
 _STAIR_PARAMS = {"cp_model_probing_level": 0}
 STAIRCASE = "staircase"
+# The staircase whose steady model keeps its 1F1B count and whose burster catches up after it
+# drains: table3-01 and 07 reach 1.0x with it (15-17 s); tried first, the plain one next.
+RELEASE = "release"
+STAIRS = (RELEASE, STAIRCASE)
 # The in-flight budget (x the serial peak) under which the search first looks for the bound.
 BOUND_BUDGET = 1.5
 
@@ -156,7 +160,7 @@ def _inflight_budgets(
     ranks: list[Any] = _budget_ranks(cp)
     # The lighter model bursts in the staircase (the one that gets the headroom first).
     burster = ranks[0].index(0)
-    ranks.insert(0, STAIRCASE)
+    ranks[:0] = STAIRS
     # Deciding takes longer on bigger problems (model building included).
     per_attempt = min(_BUDGET_ATTEMPT_MAX, _BUDGET_ATTEMPT_SECONDS + len(cp.tasks) / 400)
     # Ratios to the serial peak; lo is the highest target that failed (none yet: just below 1).
@@ -189,13 +193,13 @@ def _inflight_budgets(
         if retry is not None:
             r, retry, retried = retry, None, True
             first = (first + 1) % len(ranks)
-        elif hi > BOUND_BUDGET + _EPS and ranks[first] == STAIRCASE:
+        elif hi > BOUND_BUDGET + _EPS and ranks[first] in STAIRS:
             # From a memory-blind start (the at-bound search ended unconstrained) a staircase
             # at a high target goes undecided on big settings (table3-09 at 2.06x: 20 s),
             # where one bold fixed-limit probe gets to 1.5x in seconds.
-            first = 1
+            first = len(STAIRS)
             continue
-        elif ranks[first] == STAIRCASE:
+        elif ranks[first] in STAIRS:
             r = lo + (hi - lo) * 0.55 if probe == 0 else max(lo + (hi - lo) / 2, hi - _STAIR_STEP)
             retried = False
         elif probe == 0:
@@ -215,8 +219,8 @@ def _inflight_budgets(
             # chase it instead of the limits (no decision in 5 s where unhinted took 1-3 s;
             # a staircase hinted with the last staircase schedule: table3-10 at 1.18x took
             # 13 s or more, unhinted 4 s).
-            if rank == STAIRCASE:
-                stair = staircase_constraints(cp, base, caps, burster)
+            if rank in STAIRS:
+                stair = staircase_constraints(cp, base, caps, burster, release=rank == RELEASE)
                 if stair is None:
                     continue
                 limits, extra = stair
@@ -243,7 +247,7 @@ def _inflight_budgets(
             ):
                 makespan = got
                 best = res.order
-                # The split that worked goes first next time; staircases once under 1.5x.
+                # The split that worked goes first next time; the staircases once under 1.5x.
                 first = 0 if cp.peak(best) <= BOUND_BUDGET * serial_peak + _EPS else (first + j) % len(ranks)
                 ok = True
                 break
