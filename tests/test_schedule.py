@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import itertools
 import json
 import os
 from pathlib import Path
@@ -410,12 +411,12 @@ def test_staircase_limits_keep_every_schedule_within_the_capacity(problem, facto
     cp = CompiledProblem(problem)
     concat = cp.ids(concatenated_1f1b(problem))
     caps = [factor * max(cp.group_peaks(concat))] * cp.num_groups
-    for burster in (0, 1):
-        stair = staircase_constraints(cp, inflight_counts(cp, concat), caps, burster)
+    for burster, release in itertools.product((0, 1), (False, True)):
+        stair = staircase_constraints(cp, inflight_counts(cp, concat), caps, burster, release)
         if stair is None:
             continue
         limits, extra = stair
         res = solve_cpsat(cp, time_limit=5, inflight=limits, extra=extra, workers=1)
         if res.order is not None:
-            assert cp.fits(res.order, caps), (burster, cp.group_peaks(res.order), caps)
+            assert cp.fits(res.order, caps), (burster, release, cp.group_peaks(res.order), caps)
             validate(problem, cp.tasks_of(res.order))

@@ -52,7 +52,7 @@ _BUDGET_ATTEMPT_MAX = 15.0
 _BUDGET_RESOLUTION = 0.02  # stop bisecting the target ratio below this gap
 _BUDGET_STEP = 0.06
 # A staircase attempt (``staircase.py``) gets this many times a fixed-limit attempt's time:
-# on table3-07 it decides 1.3x and 1.15x in 7-9 s and 1.0x in 27 s on 2 cores.
+# the ones at the serial peak took 15-17 s on 2 cores (table3-01, 07; release variant).
 _STAIR_TIME = 4.0
 _STAIR_MAX = 25.0
 # After the first staircase, targets step down at most this far below the best peak: hinted
@@ -61,7 +61,7 @@ _STAIR_MAX = 25.0
 _STAIR_STEP = 0.06
 # CP-SAT's presolve probing spent 21 s of a 30 s staircase attempt on table3-10 (its step
 # booleans) and then stopped; without it the same model is decided in 4 s (06: 7 s).
-_STAIR_PARAMS = {"cp_model_probing_level": 0}
+STAIR_PARAMS = {"cp_model_probing_level": 0}
 STAIRCASE = "staircase"
 # The staircase whose steady model keeps its 1F1B count and whose burster catches up after it
 # drains: table3-01 and 07 reach 1.0x with it (15-17 s); tried first, the plain one next.
@@ -227,7 +227,7 @@ def _inflight_budgets(
                 res = solve_cpsat(
                     cp, time_limit=min(per_attempt * _STAIR_TIME, _STAIR_MAX, left), lower_bound=floor,
                     makespan_cap=makespan, inflight=limits, extra=extra, workers=workers,
-                    seed=seed + attempt, params=_STAIR_PARAMS,
+                    seed=seed + attempt, params=STAIR_PARAMS,
                 )
             else:
                 res = solve_cpsat(
@@ -282,9 +282,10 @@ def reduce_peak(
     1F1B), used to seed the capacity rungs. Given the ``lower_bound``, the in-flight budgets
     may also shorten the makespan towards it; the later steps then hold the shorter one.
     """
-    # A CP-SAT model is built before its time limit starts to bind (about a second per 1,500
-    # tasks here), so the last step must start that much before the end.
-    deadline = time.perf_counter() + seconds - len(cp.tasks) / 1500
+    # A CP-SAT model is built before its time limit starts to bind (a second per 800 tasks
+    # here: the exact-peak model on table3-10 ran 1.6 s past a 1,500-task margin), so the last
+    # step must start that much before the end.
+    deadline = time.perf_counter() + seconds - len(cp.tasks) / 800
     best = [list(g) for g in order]
     log: list[dict[str, Any]] = []
     user_caps = list(caps) if caps is not None else [float("inf")] * cp.num_groups
