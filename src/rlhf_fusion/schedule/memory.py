@@ -55,13 +55,13 @@ _BUDGET_STEP = 0.06
 # the ones at the serial peak took 15-17 s on 2 cores (table3-01, 07; release variant).
 _STAIR_TIME = 4.0
 _STAIR_MAX = 25.0
-# After the first staircase, targets step down at most this far below the best peak: hinted
-# steps that size take 2-7 s on Table 3, where halving the gap went undecided for 20 s
+# After the first staircase, targets step down at most this far below the best peak: steps
+# that size take 2-7 s on Table 3, where halving the gap went undecided for 20 s
 # (table3-10 1.24x -> 1.11x; in isolation 1.2x takes 4 s and 1.15x is undecided in 30 s).
 _STAIR_STEP = 0.06
 # CP-SAT's presolve probing spent 21 s of a 30 s staircase attempt on table3-10 (its step
 # booleans) and then stopped; without it the same model is decided in 4 s (06: 7 s).
-STAIR_PARAMS = {"cp_model_probing_level": 0}
+_STAIR_PARAMS = {"cp_model_probing_level": 0}
 STAIRCASE = "staircase"
 # The staircase whose steady model keeps its 1F1B count and whose burster catches up after it
 # drains: table3-01 and 07 reach 1.0x with it (15-17 s); tried first, the plain one next.
@@ -227,7 +227,7 @@ def _inflight_budgets(
                 res = solve_cpsat(
                     cp, time_limit=min(per_attempt * _STAIR_TIME, _STAIR_MAX, left), lower_bound=floor,
                     makespan_cap=makespan, inflight=limits, extra=extra, workers=workers,
-                    seed=seed + attempt, params=STAIR_PARAMS,
+                    seed=seed + attempt, params=_STAIR_PARAMS,
                 )
             else:
                 res = solve_cpsat(

@@ -7,7 +7,8 @@ runs ahead and holds many micro-batches while the heavier one is still ramping u
 to a small count for the rest of the run (on table3-07 the critic's first stage holds 13
 micro-batches at t = 40 and 5 from t = 110, while the actor's stage on that group goes from 0
 to 9). An exact cumulative capacity allows that too, but CP-SAT needs minutes to find such a
-schedule at the bound (table3-07 at 1.0x: 80-170 s); these limits find it in 15-35 s.
+schedule at the bound (table3-07 at 1.0x: 80-170 s); the release variant below finds it in
+17 s.
 
 For a target capacity ``cap`` on a group hosting a steady resident S (activation ``a_S``,
 1F1B count ``n_S``) and a bursting resident B (``a_B``):
@@ -43,6 +44,18 @@ from .evaluate import CompiledProblem
 
 _EPS = 1e-9
 Build = Callable[..., None]  # solve_cpsat(extra=...): (model, start, end, lanes) -> None
+
+
+def _suffix(model: Any, n: int, inside: list | None) -> list:
+    """Booleans for "B's forward i is past this switch": a suffix of the forwards, inside the
+    previous switch's suffix."""
+    on = [model.NewBoolVar("") for _ in range(n)]
+    for i in range(n - 1):
+        model.AddImplication(on[i], on[i + 1])
+    if inside is not None:
+        for i in range(n):
+            model.AddImplication(on[i], inside[i])
+    return on
 
 
 def staircase_constraints(
@@ -105,17 +118,6 @@ def staircase_constraints(
                     k_prev = k
         stairs.append((s, b, steps, rises))
 
-    def monotone(model: Any, n: int, inside: list | None) -> list:
-        """Booleans for "B's forward i is past this switch": a suffix of the forwards, inside
-        the previous switch's suffix."""
-        on = [model.NewBoolVar("") for _ in range(n)]
-        for i in range(n - 1):
-            model.AddImplication(on[i], on[i + 1])
-        if inside is not None:
-            for i in range(n):
-                model.AddImplication(on[i], inside[i])
-        return on
-
     def build(model: Any, start: Sequence[Any], end: Sequence[Any], lanes: dict) -> None:
         for s, b, steps, rises in stairs:
             fs = lanes[(s[0], s[1], "F", s[2])]
@@ -124,7 +126,7 @@ def staircase_constraints(
             # Release levels first: the forwards in them are exempt from the steps down.
             ups: list[list] = []
             for x, _ in rises:
-                ups.append(monotone(model, len(fb), ups[-1] if ups else None))
+                ups.append(_suffix(model, len(fb), ups[-1] if ups else None))
                 for i in range(len(fb)):
                     model.Add(start[fb[i]] >= end[bs[len(bs) - 1 - x]]).OnlyEnforceIf(ups[-1][i])
             for m, (_, k) in enumerate(rises):
@@ -135,7 +137,7 @@ def staircase_constraints(
             held = [[ups[0][i].Not()] if ups else [] for i in range(len(fb))]
             prev = None
             for t, k in steps:
-                on = monotone(model, len(fb), prev)
+                on = _suffix(model, len(fb), prev)
                 for i in range(k, len(fb)):
                     model.Add(start[fb[i]] >= end[bb[i - k]]).OnlyEnforceIf([on[i], *held[i]])
                     # Before the step, B may have ``i`` forwards going: S's forward T_l
