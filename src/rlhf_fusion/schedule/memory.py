@@ -61,7 +61,7 @@ _STAIR_MAX = 25.0
 _STAIR_STEP = 0.06
 # CP-SAT's presolve probing spent 21 s of a 30 s staircase attempt on table3-10 (its step
 # booleans) and then stopped; without it the same model is decided in 4 s (06: 7 s).
-_STAIR_PARAMS = {"cp_model_probing_level": 0}
+STAIR_PARAMS = {"cp_model_probing_level": 0}
 STAIRCASE = "staircase"
 # The staircase whose steady model keeps its 1F1B count and whose burster catches up after it
 # drains: table3-01 and 07 reach 1.0x with it (15-17 s); tried first, the plain one next.
@@ -136,6 +136,30 @@ def bound_budget_limits(
     )
 
 
+def bound_staircase(
+    cp: CompiledProblem, concat: IdOrder, target: float, caps: Sequence[float] | None
+) -> tuple[dict[Lane, int], Any] | None:
+    """Release-staircase limits and constraints for a peak of ``target`` (within ``caps``),
+    the lighter model bursting: what the at-bound search tries first (``None`` where the
+    staircase does not apply)."""
+    user = list(caps) if caps is not None else [float("inf")] * cp.num_groups
+    burster = _budget_ranks(cp)[0].index(0)
+    return staircase_constraints(
+        cp, inflight_counts(cp, concat), [min(target, u) for u in user], burster, release=True
+    )
+
+
+def budget_attempt_seconds(cp: CompiledProblem) -> float:
+    """One fixed-limit attempt: deciding takes longer on bigger problems (model building
+    included)."""
+    return min(_BUDGET_ATTEMPT_MAX, _BUDGET_ATTEMPT_SECONDS + len(cp.tasks) / 400)
+
+
+def stair_attempt_seconds(cp: CompiledProblem) -> float:
+    """One staircase attempt (several times a fixed-limit one, capped)."""
+    return min(budget_attempt_seconds(cp) * _STAIR_TIME, _STAIR_MAX)
+
+
 def _inflight_budgets(
     cp: CompiledProblem,
     best: IdOrder,
@@ -161,8 +185,7 @@ def _inflight_budgets(
     # The lighter model bursts in the staircase (the one that gets the headroom first).
     burster = ranks[0].index(0)
     ranks[:0] = STAIRS
-    # Deciding takes longer on bigger problems (model building included).
-    per_attempt = min(_BUDGET_ATTEMPT_MAX, _BUDGET_ATTEMPT_SECONDS + len(cp.tasks) / 400)
+    per_attempt = budget_attempt_seconds(cp)
     # Ratios to the serial peak; lo is the highest target that failed (none yet: just below 1).
     lo = 1.0 - _BUDGET_RESOLUTION
     first = 0
@@ -227,7 +250,7 @@ def _inflight_budgets(
                 res = solve_cpsat(
                     cp, time_limit=min(per_attempt * _STAIR_TIME, _STAIR_MAX, left), lower_bound=floor,
                     makespan_cap=makespan, inflight=limits, extra=extra, workers=workers,
-                    seed=seed + attempt, params=_STAIR_PARAMS,
+                    seed=seed + attempt, params=STAIR_PARAMS,
                 )
             else:
                 res = solve_cpsat(

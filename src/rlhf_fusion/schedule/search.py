@@ -17,7 +17,14 @@ from .baselines import concatenated_1f1b
 from .cpsat import solve_cpsat
 from .evaluate import CompiledProblem, IdOrder
 from .greedy import greedy
-from .memory import BOUND_BUDGET, bound_budget_limits, reduce_peak
+from .memory import (
+    BOUND_BUDGET,
+    STAIR_PARAMS,
+    bound_budget_limits,
+    bound_staircase,
+    reduce_peak,
+    stair_attempt_seconds,
+)
 from .problem import Problem, ProblemError, Task
 
 # One at-the-bound CP-SAT attempt; the ones that succeed on Table 3 take 1-10 s on 2 cores.
@@ -102,54 +109,76 @@ def search(
         phase1 = remaining() * (0.7 if memory_pass else 1.0)
         # 1) Is the lower bound reachable? CP-SAT's time to decide this is heavy-tailed (the
         # same model takes 6 s with one seed and times out with another), so it restarts with
-        # another seed rather than spending the whole share on one run. Every other attempt,
-        # the first included, runs under in-flight limits worth BOUND_BUDGET x the serial
-        # peak: limits are precedences that prune the search, so on Table 3 these find the
-        # bound sooner (06: 4 of 4 seeds in 7-12 s; unconstrained runs took 10-13 s) and hand
-        # the memory pass a schedule near 1.5x instead of 2-5x. The unconstrained attempts in
-        # between cover problems where the limits exclude every schedule at the bound (09
-        # succeeded under them in 1 of 4 tries).
+        # another seed rather than spending the whole share on one run. With the memory pass
+        # on, the first attempt runs under a release staircase worth BOUND_BUDGET x the serial
+        # peak (``staircase.py``): its precedences prune the search, so on Table 3 it finds the
+        # bound on all 12 settings (0.5-18 s; 09, 4,096 tasks, 15-22 s over three seeds) and
+        # hands the memory pass a schedule near 1.45x instead of 2-5x, from which staircases
+        # step down. The attempts after it alternate unconstrained runs (for problems where
+        # the limits exclude every schedule at the bound) and fixed in-flight limits.
         if best_ms > lower_bound + 1e-9:
-            # Enough for one limited and one long unconstrained attempt on 09 (12 + 22 s).
             share = phase1 * 0.85
-            limits = (
-                bound_budget_limits(cp, concat, BOUND_BUDGET * serial_peak, caps)
-                if memory_pass and serial_peak > 0 else None
-            )
+            limits = stair = None
+            if memory_pass and serial_peak > 0:
+                limits = bound_budget_limits(cp, concat, BOUND_BUDGET * serial_peak, caps)
+                stair = bound_staircase(cp, concat, BOUND_BUDGET * serial_peak, caps)
             # Unhinted first: on 09 (the hardest) the unhinted run is the one that got there.
             hints = [None, best if start_valid else None, concat]
             attempt = unconstrained = 0
+            last: str | None = None
             statuses = []
             while True:
                 left = share - (time.perf_counter() - t_phase)
-                if left < 0.5:
+                if stair is not None:
+                    kind = "release"
+                elif limits is not None and last in (None, "unconstrained"):
+                    kind = "limited"
+                else:
+                    kind = "unconstrained"
+                if kind == "release":
+                    per = stair_attempt_seconds(cp)
+                elif kind == "limited":
+                    per = _ATTEMPT_SECONDS
+                else:
+                    # An unconstrained run that succeeds takes about the same time whatever
+                    # the seed (09: 17 s with each of three seeds), so it gets time by size.
+                    per = min(
+                        _ATTEMPT_MAX, _ATTEMPT_SECONDS + len(cp.tasks) / _ATTEMPT_TASKS_PER_SECOND
+                    )
+                if kind == "unconstrained" and unconstrained == 0 and attempt > 0:
+                    # The bound comes first: after a failed staircase, one unconstrained run
+                    # gets its full time even past the share (09 needs 17 s of it).
+                    budget = min(per, 0.9 * remaining())
+                elif left < 0.5:
                     break
-                limited = limits is not None and attempt % 2 == 0
-                # An unconstrained run that succeeds takes about the same time whatever the
-                # seed (09: 17 s with each of three seeds), so it gets time by problem size.
-                per = _ATTEMPT_SECONDS if limited else min(
-                    _ATTEMPT_MAX, _ATTEMPT_SECONDS + len(cp.tasks) / _ATTEMPT_TASKS_PER_SECOND
-                )
-                budget = left if left < 2 * per else per
+                else:
+                    budget = left if left < 2 * per else per
+                if budget < 0.5:
+                    break
                 r = solve_cpsat(
                     cp,
                     time_limit=budget,
                     lower_bound=lower_bound,
                     makespan_cap=lower_bound,
                     memory_cap=caps,
-                    inflight=limits if limited else None,
-                    hint_order=None if limited else hints[unconstrained % len(hints)],
+                    inflight=stair[0] if kind == "release" else limits if kind == "limited" else None,
+                    extra=stair[1] if kind == "release" else None,
+                    hint_order=hints[unconstrained % len(hints)] if kind == "unconstrained" else None,
                     workers=workers,
                     seed=seed + attempt,
+                    params=STAIR_PARAMS if kind == "release" else None,
                 )
-                statuses.append(("limited " if limited else "") + r.status)
+                statuses.append(("" if kind == "unconstrained" else kind + " ") + r.status)
                 attempt += 1
-                unconstrained += not limited
+                unconstrained += kind == "unconstrained"
+                last = kind
                 if r.order is not None and cp.fits(r.order, caps):
                     best, best_ms, start_valid = r.order, cp.makespan(r.order), True
                     note("cpsat-bound", best, attempts=attempt)
                     break
-                if r.infeasible and limited:
+                if kind == "release":
+                    stair = None  # one try: its time is better spent unconstrained next
+                elif r.infeasible and kind == "limited":
                     limits = None  # proven too tight: the unconstrained attempts only
                 elif r.infeasible:
                     break
