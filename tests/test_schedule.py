@@ -379,8 +379,8 @@ def test_inflight_budgets_split_the_headroom_and_bind_the_solver():
     validate(problem, cp.tasks_of(res.order))
 
 
-def test_at_bound_search_starts_under_inflight_limits():
-    """``auto`` looks for the bound first under in-flight limits worth BOUND_BUDGET x the
+def test_at_bound_search_starts_under_a_release_staircase():
+    """``auto`` looks for the bound first under a release staircase worth BOUND_BUDGET x the
     serial peak: on table3-04 that attempt succeeds, so the schedule handed to the memory pass
     is already within the budget (a memory-blind one there holds about 2x)."""
     from rlhf_fusion.schedule.memory import BOUND_BUDGET
@@ -389,12 +389,26 @@ def test_at_bound_search_starts_under_inflight_limits():
     problem = Problem.from_dict(inst["problem"])
     s = solve(problem, "auto", time_limit=20, workers=2)
     serial_peak = inst["reference"]["serial_peak_activation"]
-    assert s.stats["cpsat_at_bound"][0] == "limited OPTIMAL"
+    assert s.stats["cpsat_at_bound"] == ["release OPTIMAL"]
     at_bound = next(p for p in s.stats["phases"] if p["phase"] == "cpsat-bound")
     assert at_bound["makespan"] == inst["reference"]["lower_bound"]
     assert at_bound["peak_activation"] <= BOUND_BUDGET * serial_peak + 0.01
     assert s.makespan == s.lower_bound
     assert s.peak_activation <= at_bound["peak_activation"] + 1e-9
+    validate(problem, s.order)
+
+
+def test_at_bound_search_falls_back_to_an_unconstrained_run(monkeypatch):
+    """When the staircase attempt fails, the next attempt is unconstrained and gets its time
+    (here the staircase gets 1 ms, so it cannot decide anything)."""
+    from rlhf_fusion.schedule import search as search_mod
+
+    monkeypatch.setattr(search_mod, "stair_attempt_seconds", lambda cp: 0.001)
+    inst = next(i for i in _table3() if i["id"] == "table3-04")
+    problem = Problem.from_dict(inst["problem"])
+    s = solve(problem, "auto", time_limit=20, workers=2)
+    assert s.stats["cpsat_at_bound"][:2] == ["release UNKNOWN", "OPTIMAL"]
+    assert s.makespan == s.lower_bound
     validate(problem, s.order)
 
 

@@ -1,8 +1,9 @@
 """The search behind ``solve(solver="anneal" | "cpsat" | "auto")``.
 
 ``auto``: greedy, then CP-SAT. CP-SAT first asks whether the lower bound is reachable (a
-makespan capped at the bound propagates strongly and is usually decided in seconds; half the
-attempts also keep activation memory within in-flight limits). If not, a short anneal gives a
+makespan capped at the bound propagates strongly and is usually decided in seconds; the first
+attempt also keeps activation memory within a release staircase, later ones alternate
+unconstrained runs and fixed in-flight limits). If not, a short anneal gives a
 better hint for minimising the makespan. The rest of the budget goes to the memory pass, with
 the makespan held.
 """
@@ -149,12 +150,12 @@ def search(
                     # The bound comes first: after a failed staircase, one unconstrained run
                     # gets its full time even past the share (09 needs 17 s of it).
                     budget = min(per, 0.9 * remaining())
+                    if budget < 0.5:
+                        break
                 elif left < 0.5:
                     break
                 else:
                     budget = left if left < 2 * per else per
-                if budget < 0.5:
-                    break
                 r = solve_cpsat(
                     cp,
                     time_limit=budget,
