@@ -35,7 +35,7 @@ from typing import Any
 from .cpsat import Stage as Lane
 from .cpsat import inflight_counts, solve_cpsat, solve_time_window, stages_by_group
 from .evaluate import CompiledProblem, IdOrder
-from .staircase import staircase_constraints
+from .staircase import Build, staircase_constraints
 
 _EPS = 1e-9
 RUNGS = (1.0, 1.1, 1.25, 1.5, 2.0)
@@ -126,27 +126,34 @@ def _budget_ranks(cp: CompiledProblem) -> list[list[int] | None]:
     return [rank, None]
 
 
+def _burster(cp: CompiledProblem) -> int:
+    """The model that bursts in a staircase: the lighter one (it gets the headroom first)."""
+    return _budget_ranks(cp)[0].index(0)
+
+
+def _bound_targets(cp: CompiledProblem, target: float, caps: Sequence[float] | None) -> list[float]:
+    user = list(caps) if caps is not None else [float("inf")] * cp.num_groups
+    return [min(target, u) for u in user]
+
+
 def bound_budget_limits(
     cp: CompiledProblem, concat: IdOrder, target: float, caps: Sequence[float] | None
 ) -> dict[Lane, int]:
     """In-flight limits for a peak of ``target`` (within ``caps``) from concatenated 1F1B's
     counts, headroom to the lighter model first."""
-    user = list(caps) if caps is not None else [float("inf")] * cp.num_groups
     return budget_limits(
-        cp, inflight_counts(cp, concat), [min(target, u) for u in user], _budget_ranks(cp)[0]
+        cp, inflight_counts(cp, concat), _bound_targets(cp, target, caps), _budget_ranks(cp)[0]
     )
 
 
 def bound_staircase(
     cp: CompiledProblem, concat: IdOrder, target: float, caps: Sequence[float] | None
-) -> tuple[dict[Lane, int], Any] | None:
-    """Release-staircase limits and constraints for a peak of ``target`` (within ``caps``),
-    the lighter model bursting: what the at-bound search tries first (``None`` where the
-    staircase does not apply)."""
-    user = list(caps) if caps is not None else [float("inf")] * cp.num_groups
-    burster = _budget_ranks(cp)[0].index(0)
+) -> tuple[dict[Lane, int], Build] | None:
+    """Release-staircase limits and constraints for a peak of ``target`` (within ``caps``):
+    what the at-bound search tries first (``None`` where the staircase does not apply)."""
     return staircase_constraints(
-        cp, inflight_counts(cp, concat), [min(target, u) for u in user], burster, release=True
+        cp, inflight_counts(cp, concat), _bound_targets(cp, target, caps), _burster(cp),
+        release=True,
     )
 
 
@@ -182,10 +189,8 @@ def _inflight_budgets(
     a shorter makespan wins over a lower peak.
     """
     floor = makespan if lower_bound is None else min(makespan, lower_bound)
-    ranks: list[Any] = _budget_ranks(cp)
-    # The lighter model bursts in the staircase (the one that gets the headroom first).
-    burster = ranks[0].index(0)
-    ranks[:0] = STAIRS
+    ranks: list[Any] = [*STAIRS, *_budget_ranks(cp)]
+    burster = _burster(cp)
     per_attempt = budget_attempt_seconds(cp)
     # Ratios to the serial peak; lo is the highest target that failed (none yet: just below 1).
     lo = 1.0 - _BUDGET_RESOLUTION

@@ -128,27 +128,24 @@ def search(
             attempt = unconstrained = 0
             last: str | None = None
             statuses = []
+            # An unconstrained run that succeeds takes about the same time whatever the seed
+            # (09: 17 s with each of three seeds), so it gets time by size.
+            per_unconstrained = min(
+                _ATTEMPT_MAX, _ATTEMPT_SECONDS + len(cp.tasks) / _ATTEMPT_TASKS_PER_SECOND
+            )
             while True:
                 left = share - (time.perf_counter() - t_phase)
+                inflight = extra = params = None
                 if stair is not None:
-                    kind = "release"
+                    kind, per, params = "release", stair_attempt_seconds(cp), STAIR_PARAMS
+                    inflight, extra = stair
                 elif limits is not None and last in (None, "unconstrained"):
-                    kind = "limited"
+                    kind, per, inflight = "limited", _ATTEMPT_SECONDS, limits
                 else:
-                    kind = "unconstrained"
-                if kind == "release":
-                    per = stair_attempt_seconds(cp)
-                elif kind == "limited":
-                    per = _ATTEMPT_SECONDS
-                else:
-                    # An unconstrained run that succeeds takes about the same time whatever
-                    # the seed (09: 17 s with each of three seeds), so it gets time by size.
-                    per = min(
-                        _ATTEMPT_MAX, _ATTEMPT_SECONDS + len(cp.tasks) / _ATTEMPT_TASKS_PER_SECOND
-                    )
+                    kind, per = "unconstrained", per_unconstrained
                 if kind == "unconstrained" and unconstrained == 0 and attempt > 0:
-                    # The bound comes first: after a failed staircase, one unconstrained run
-                    # gets its full time even past the share (09 needs 17 s of it).
+                    # The bound comes first: after a failed memory-limited attempt, one
+                    # unconstrained run gets its full time even past the share (09 needs 17 s).
                     budget = min(per, 0.9 * remaining())
                     if budget < 0.5:
                         break
@@ -162,12 +159,12 @@ def search(
                     lower_bound=lower_bound,
                     makespan_cap=lower_bound,
                     memory_cap=caps,
-                    inflight=stair[0] if kind == "release" else limits if kind == "limited" else None,
-                    extra=stair[1] if kind == "release" else None,
+                    inflight=inflight,
+                    extra=extra,
                     hint_order=hints[unconstrained % len(hints)] if kind == "unconstrained" else None,
                     workers=workers,
                     seed=seed + attempt,
-                    params=STAIR_PARAMS if kind == "release" else None,
+                    params=params,
                 )
                 statuses.append(("" if kind == "unconstrained" else kind + " ") + r.status)
                 attempt += 1
