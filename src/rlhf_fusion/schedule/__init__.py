@@ -5,7 +5,8 @@ from .baselines import concatenated_1f1b, one_f_one_b, serial_1f1b, single_model
 from .bounds import lower_bound
 from .evaluate import CapacityError, DeadlockError, Evaluation, ScheduleError, validate
 from .greedy import greedy
-from .problem import ModelSpec, Problem, ProblemError, Task
+from .policy import SearchPolicy
+from .problem import InfeasibleError, ModelSpec, Problem, ProblemError, Task
 from .result import Schedule
 from .solve import SOLVERS, solve
 
@@ -15,11 +16,13 @@ __all__ = [
     "CapacityError",
     "DeadlockError",
     "Evaluation",
+    "InfeasibleError",
     "ModelSpec",
     "Problem",
     "ProblemError",
     "Schedule",
     "ScheduleError",
+    "SearchPolicy",
     "Task",
     "concatenated_1f1b",
     "greedy",

@@ -22,6 +22,8 @@ Moves, in this order:
 4. Time-window neighbourhoods. Tasks starting inside a window around the current peak are
    re-timed with everything else fixed, minimising the sum of the groups' peaks. It polishes
    whatever schedule the steps before leave.
+
+Every time share, attempt length and step comes from ``policy.SearchPolicy``.
 """
 
 from __future__ import annotations
@@ -30,47 +32,16 @@ import math
 import random
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
+from .cpsat import CpSatResult, inflight_counts, solve_cpsat, solve_time_window, stages_by_group
 from .cpsat import Stage as Lane
-from .cpsat import inflight_counts, solve_cpsat, solve_time_window, stages_by_group
 from .evaluate import CompiledProblem, IdOrder
+from .policy import DEFAULT_POLICY, RELEASE, SearchPolicy
 from .staircase import Build, staircase_constraints
 
 _EPS = 1e-9
-RUNGS = (1.0, 1.1, 1.25, 1.5, 2.0)
-_STALE_ROUNDS = 40
-# Of the time the rungs leave, the exact-peak run takes this share and the windows the rest
-# (on Table 3 the exact run gains more; 0.5 traded 03 for 00 within run-to-run noise).
-_EXACT_SHARE = 0.85
-
-_BUDGET_SHARE = 0.9  # of the pass, for the in-flight budgets
-# One in-flight budget attempt, plus a second per 400 tasks; on Table 3 the ones that succeed
-# take 1-4 s on 2 cores (8-12 s on the 3,072-task settings).
-_BUDGET_ATTEMPT_SECONDS = 4.0
-_BUDGET_ATTEMPT_MAX = 15.0
-_BUDGET_RESOLUTION = 0.02  # stop bisecting the target ratio below this gap
-_BUDGET_STEP = 0.06
-# A staircase attempt (``staircase.py``) gets this many times a fixed-limit attempt's time:
-# the ones at the serial peak take 8.5-21.5 s on 2 cores (table3-01, release variant, eight
-# seeds; 4x gave it 19.8 s, and one seed in eight missed), 15-17 s on table3-07.
-_STAIR_TIME = 5.0
-_STAIR_MAX = 25.0
-# After the first staircase, targets step down at most this far below the best peak: steps
-# that size take 2-7 s on Table 3, where halving the gap went undecided for 20 s
-# (table3-10 1.24x -> 1.11x; in isolation 1.2x takes 4 s and 1.15x is undecided in 30 s).
-_STAIR_STEP = 0.06
-# CP-SAT's presolve probing spent 21 s of a 30 s staircase attempt on table3-10 (its step
-# booleans) and then stopped; without it the same model is decided in 4 s (06: 7 s).
-STAIR_PARAMS = {"cp_model_probing_level": 0}
-STAIRCASE = "staircase"
-# The staircase whose steady model keeps its 1F1B count and whose burster catches up after it
-# drains: table3-01 and 07 reach 1.0x with it (15-17 s); tried first, the plain one next.
-RELEASE = "release"
-STAIRS = (RELEASE, STAIRCASE)
-# The in-flight budget (x the serial peak) under which the search first looks for the bound.
-BOUND_BUDGET = 1.5
-
 
 def budget_limits(
     cp: CompiledProblem,
@@ -157,15 +128,203 @@ def bound_staircase(
     )
 
 
-def budget_attempt_seconds(cp: CompiledProblem) -> float:
+def budget_attempt_seconds(cp: CompiledProblem, policy: SearchPolicy = DEFAULT_POLICY) -> float:
     """One fixed-limit attempt: deciding takes longer on bigger problems (model building
     included)."""
-    return min(_BUDGET_ATTEMPT_MAX, _BUDGET_ATTEMPT_SECONDS + len(cp.tasks) / 400)
+    return policy.budget_attempt(len(cp.tasks))
 
 
-def stair_attempt_seconds(cp: CompiledProblem) -> float:
+def stair_attempt_seconds(cp: CompiledProblem, policy: SearchPolicy = DEFAULT_POLICY) -> float:
     """One staircase attempt (several times a fixed-limit one, capped)."""
-    return min(budget_attempt_seconds(cp) * _STAIR_TIME, _STAIR_MAX)
+    return policy.stair_attempt(len(cp.tasks))
+
+
+@dataclass
+class _BudgetSearch:
+    """Step 1 of the pass: bisect a target peak between the serial peak and the best so far,
+    each target turned into in-flight limits that CP-SAT must meet at the held makespan.
+
+    Targets are ratios to the serial peak. ``lo`` is the highest target that failed (none yet:
+    just below 1). At each target the kinds are tried in turn from ``first``: the staircase
+    variants of ``policy.stair_kinds``, then fixed limits with the headroom to the lighter model,
+    then an even split. A kind proven infeasible makes way for the next; an undecided one ends
+    the target (retried once, see :meth:`next_target`). With a ``floor`` below the makespan an
+    attempt keeps shortening the makespan after its first schedule, and a shorter makespan wins
+    over a lower peak.
+    """
+
+    cp: CompiledProblem
+    best: IdOrder
+    makespan: float
+    floor: float
+    deadline: float
+    base: dict[Lane, int]
+    serial_peak: float
+    user_caps: Sequence[float]
+    workers: int
+    seed: int
+    log: list[dict[str, Any]]
+    policy: SearchPolicy
+    kinds: list[Any] = field(init=False)
+    burster: int = field(init=False)
+    per_attempt: float = field(init=False)
+    lo: float = field(init=False)
+    first: int = 0  # index into ``kinds`` of the kind tried first at the next target
+    attempt: int = 0  # CP-SAT runs so far (each gets its own seed)
+    probe: int = 0  # targets since the last (re)start
+    undecided: bool = False  # did a target fail without a proof since the last (re)start?
+    # A target that went undecided is tried once more, with another seed and the next kind
+    # first, before it counts as failed: runs that work finish in 5-7 s or not at all
+    # (table3-06 at 1.41x: 3 of 4 seeds), and where one split times out the other may not
+    # (table3-00 at 1.2x).
+    retry: float | None = None
+
+    def __post_init__(self) -> None:
+        self.kinds = [*self.policy.stair_kinds, *_budget_ranks(self.cp)]
+        self.burster = _burster(self.cp)
+        self.per_attempt = budget_attempt_seconds(self.cp, self.policy)
+        self.lo = 1.0 - self.policy.budget_resolution
+
+    def run(self) -> IdOrder:
+        while self.seconds_left() >= self.policy.budget_min_seconds:
+            hi = self.cp.peak(self.best) / self.serial_peak
+            if hi - self.lo <= self.policy.budget_resolution:
+                if self.restart():
+                    continue
+                break
+            if self.skip_staircases(hi):
+                continue
+            target, retried = self.next_target(hi)
+            if target >= hi - _EPS:
+                break  # the best is at (or under) the serial peak: no target below it is left
+            self.probe += 1
+            if not self.try_target(target, retried) and self.retry is None:
+                self.lo = target
+        return self.best
+
+    def seconds_left(self) -> float:
+        return self.deadline - time.perf_counter()
+
+    def is_stair(self, kind: Any) -> bool:
+        return kind in self.policy.stair_kinds
+
+    def restart(self) -> bool:
+        """The targets have converged. An undecided failure proves nothing, so with time left
+        start again below the best, with longer attempts and the next kind first. False when
+        there is nothing to restart for."""
+        p = self.policy
+        if not self.undecided or self.seconds_left() < p.restart_min_attempts * self.per_attempt:
+            return False
+        self.lo, self.probe, self.undecided = 1.0 - p.budget_resolution, 0, False
+        self.per_attempt *= p.restart_time_factor
+        self.first = (self.first + 1) % len(self.kinds)
+        return True
+
+    def skip_staircases(self, hi: float) -> bool:
+        """From a memory-blind start (the at-bound search ended unconstrained) a staircase at a
+        high target goes undecided on big settings (table3-09 at 2.06x: 20 s), where one bold
+        fixed-limit probe gets to ``bound_budget`` in seconds: above it, fixed limits lead."""
+        if self.retry is None and hi > self.policy.bound_budget + _EPS and self.is_stair(
+            self.kinds[self.first]
+        ):
+            self.first = len(self.policy.stair_kinds)
+            return True
+        return False
+
+    def next_target(self, hi: float) -> tuple[float, bool]:
+        """The next target ratio, and whether it is a retry. Successes land close to their
+        target and cost a few seconds; failures cost the whole attempt. Staircases: one probe
+        just past halfway, then bisection in steps of at most ``stair_step``. Fixed limits: one
+        bold first probe (never below a ``budget_step`` under ``bound_budget``, which the
+        at-bound search reaches), then steps of at most ``budget_step`` below the best."""
+        p = self.policy
+        lo = self.lo
+        if self.retry is not None:
+            target, self.retry = self.retry, None
+            self.first = (self.first + 1) % len(self.kinds)
+            return max(1.0, target), True
+        if self.is_stair(self.kinds[self.first]):
+            if self.probe == 0:
+                target = lo + (hi - lo) * p.stair_first_probe
+            else:
+                target = max(lo + (hi - lo) / 2, hi - p.stair_step)
+        elif self.probe == 0:
+            target = max(
+                lo + (hi - lo) * p.budget_first_probe, min(hi, p.bound_budget) * (1 - p.budget_step)
+            )
+        else:
+            target = max(lo + (hi - lo) / 2, hi * (1 - p.budget_step))
+        return max(1.0, target), False
+
+    def try_target(self, target: float, retried: bool) -> bool:
+        """Try the kinds in turn at ``target``; True when one found a better schedule."""
+        caps = [min(target * self.serial_peak, u) for u in self.user_caps]
+        for j in range(len(self.kinds)):
+            kind = self.kinds[(self.first + j) % len(self.kinds)]
+            left = self.seconds_left()
+            if left < self.policy.min_attempt_seconds:
+                break
+            res = self.attempt_kind(kind, caps, left)
+            if res is None:
+                continue  # the staircase does not apply to this problem
+            self.attempt += 1
+            self.log.append({"budget": round(target, 3), "split": "even" if kind is None else kind,
+                             "status": res.status, "seconds": round(res.seconds, 2)})
+            if self.accept(res):
+                # The kind that worked goes first next time; the staircases once under
+                # ``bound_budget``.
+                under = self.cp.peak(self.best) <= self.policy.bound_budget * self.serial_peak + _EPS
+                self.first = 0 if under else (self.first + j) % len(self.kinds)
+                return True
+            if not res.infeasible:
+                # Too hard at this target for now: one retry, then raise it.
+                self.undecided = True
+                if not retried:
+                    self.retry = target
+                break
+        return False
+
+    def attempt_kind(self, kind: Any, caps: list[float], left: float) -> CpSatResult | None:
+        """One CP-SAT run at the held makespan under ``kind``'s limits for ``caps``.
+
+        No hint: every order at hand breaks the new limits, and hinting one made CP-SAT chase
+        it instead of the limits (no decision in 5 s where unhinted took 1-3 s; a staircase
+        hinted with the last staircase schedule: table3-10 at 1.18x took 13 s or more,
+        unhinted 4 s)."""
+        p = self.policy
+        common = dict(lower_bound=self.floor, makespan_cap=self.makespan, workers=self.workers,
+                      seed=self.seed + self.attempt)
+        if self.is_stair(kind):
+            stair = staircase_constraints(
+                self.cp, self.base, caps, self.burster, release=kind == RELEASE
+            )
+            if stair is None:
+                return None
+            limits, extra = stair
+            return solve_cpsat(
+                self.cp, time_limit=min(self.per_attempt * p.stair_time, p.stair_max, left),
+                inflight=limits, extra=extra, params=p.stair_cpsat_params(), **common,
+            )
+        return solve_cpsat(
+            self.cp, time_limit=min(self.per_attempt, left),
+            inflight=budget_limits(self.cp, self.base, caps, kind), **common,
+        )
+
+    def accept(self, res: CpSatResult) -> bool:
+        """Keep ``res`` when it is within the held makespan and the user's capacity, and
+        shorter or lower than the best."""
+        cp = self.cp
+        got = None if res.order is None else cp.makespan(res.order)
+        if (
+            got is not None
+            and got <= self.makespan + _EPS
+            and all(p <= u + _EPS for p, u in zip(cp.group_peaks(res.order), self.user_caps))
+            and (got, cp.peak(res.order)) < (self.makespan, cp.peak(self.best) - _EPS)
+        ):
+            self.makespan = got
+            self.best = res.order
+            return True
+        return False
 
 
 def _inflight_budgets(
@@ -181,116 +340,21 @@ def _inflight_budgets(
     seed: int,
     log: list[dict[str, Any]],
     lower_bound: float | None = None,
+    policy: SearchPolicy = DEFAULT_POLICY,
 ) -> IdOrder:
-    """Bisect a target peak between the serial peak and the best so far under in-flight limits.
+    """Bisect a target peak between the serial peak and the best so far under in-flight limits
+    (:class:`_BudgetSearch`).
 
     With ``lower_bound`` below ``makespan`` an attempt keeps shortening the makespan after its
     first schedule (limits made CP-SAT find shorter schedules than it found without them), and
     a shorter makespan wins over a lower peak.
     """
     floor = makespan if lower_bound is None else min(makespan, lower_bound)
-    ranks: list[Any] = [*STAIRS, *_budget_ranks(cp)]
-    burster = _burster(cp)
-    per_attempt = budget_attempt_seconds(cp)
-    # Ratios to the serial peak; lo is the highest target that failed (none yet: just below 1).
-    lo = 1.0 - _BUDGET_RESOLUTION
-    first = 0
-    attempt = 0
-    probe = 0  # attempts since the last restart
-    undecided = False  # did a target fail without a proof since the last restart?
-    # A target that timed out once is tried once more, with another seed and the other split
-    # first, before it counts as failed: runs that work finish in 5-7 s or not at all (06 at
-    # 1.41x: 3 of 4 seeds), and where one split times out the other may not (00 at 1.2x).
-    retry: float | None = None
-    while deadline - time.perf_counter() >= 1.0:
-        hi = cp.peak(best) / serial_peak
-        if hi - lo <= _BUDGET_RESOLUTION:
-            # An undecided failure proves nothing, so with time left start again below the
-            # best with longer attempts and the other split first (on table3-00 a target
-            # that timed out at 6 s with one split was decided in 8 s with the other).
-            if not undecided or deadline - time.perf_counter() < 2 * per_attempt:
-                break
-            lo, probe, undecided = 1.0 - _BUDGET_RESOLUTION, 0, False
-            per_attempt *= 1.5
-            first = (first + 1) % len(ranks)
-            continue
-        # Successes land close to their target and cost a few seconds; failures cost the whole
-        # attempt. With fixed limits: one bold first probe from a high peak (never below a
-        # step under BOUND_BUDGET, which the at-bound search reaches), then steps of at most
-        # _BUDGET_STEP below the best. Staircases reach far lower peaks: one probe just past
-        # halfway, then bisection in steps of at most _STAIR_STEP.
-        if retry is not None:
-            r, retry, retried = retry, None, True
-            first = (first + 1) % len(ranks)
-        elif hi > BOUND_BUDGET + _EPS and ranks[first] in STAIRS:
-            # From a memory-blind start (the at-bound search ended unconstrained) a staircase
-            # at a high target goes undecided on big settings (table3-09 at 2.06x: 20 s),
-            # where one bold fixed-limit probe gets to 1.5x in seconds.
-            first = len(STAIRS)
-            continue
-        elif ranks[first] in STAIRS:
-            r = lo + (hi - lo) * 0.55 if probe == 0 else max(lo + (hi - lo) / 2, hi - _STAIR_STEP)
-            retried = False
-        elif probe == 0:
-            r, retried = max(lo + (hi - lo) * 0.3, min(hi, BOUND_BUDGET) * (1 - _BUDGET_STEP)), False
-        else:
-            r, retried = max(lo + (hi - lo) / 2, hi * (1 - _BUDGET_STEP)), False
-        r = max(1.0, r)
-        if r >= hi - _EPS:
-            break  # the best is at (or under) the serial peak: no target below it is left
-        probe += 1
-        caps = [min(r * serial_peak, u) for u in user_caps]
-        ok = False
-        for j in range(len(ranks)):
-            rank = ranks[(first + j) % len(ranks)]
-            left = deadline - time.perf_counter()
-            if left < 0.5:
-                break
-            # No hint: every order at hand breaks the new limits, and hinting one made CP-SAT
-            # chase it instead of the limits (no decision in 5 s where unhinted took 1-3 s;
-            # a staircase hinted with the last staircase schedule: table3-10 at 1.18x took
-            # 13 s or more, unhinted 4 s).
-            if rank in STAIRS:
-                stair = staircase_constraints(cp, base, caps, burster, release=rank == RELEASE)
-                if stair is None:
-                    continue
-                limits, extra = stair
-                res = solve_cpsat(
-                    cp, time_limit=min(per_attempt * _STAIR_TIME, _STAIR_MAX, left), lower_bound=floor,
-                    makespan_cap=makespan, inflight=limits, extra=extra, workers=workers,
-                    seed=seed + attempt, params=STAIR_PARAMS,
-                )
-            else:
-                res = solve_cpsat(
-                    cp, time_limit=min(per_attempt, left), lower_bound=floor, makespan_cap=makespan,
-                    inflight=budget_limits(cp, base, caps, rank), workers=workers,
-                    seed=seed + attempt,
-                )
-            attempt += 1
-            got = None if res.order is None else cp.makespan(res.order)
-            log.append({"budget": round(r, 3), "split": "even" if rank is None else rank,
-                        "status": res.status, "seconds": round(res.seconds, 2)})
-            if (
-                got is not None
-                and got <= makespan + _EPS
-                and all(p <= u + _EPS for p, u in zip(cp.group_peaks(res.order), user_caps))
-                and (got, cp.peak(res.order)) < (makespan, cp.peak(best) - _EPS)
-            ):
-                makespan = got
-                best = res.order
-                # The split that worked goes first next time; the staircases once under 1.5x.
-                first = 0 if cp.peak(best) <= BOUND_BUDGET * serial_peak + _EPS else (first + j) % len(ranks)
-                ok = True
-                break
-            if not res.infeasible:
-                # Too hard at this target for now: one retry (above), then raise it.
-                undecided = True
-                if not retried:
-                    retry = r
-                break
-        if not ok and retry is None:
-            lo = r
-    return best
+    return _BudgetSearch(
+        cp, best, makespan=makespan, floor=floor, deadline=deadline, base=base,
+        serial_peak=serial_peak, user_caps=user_caps, workers=workers, seed=seed, log=log,
+        policy=policy,
+    ).run()
 
 
 def reduce_peak(
@@ -306,6 +370,7 @@ def reduce_peak(
     seed: int = 0,
     stats: dict[str, Any] | None = None,
     lower_bound: float | None = None,
+    policy: SearchPolicy = DEFAULT_POLICY,
 ) -> IdOrder:
     """Return an order with makespan <= ``makespan`` and the lowest peak found in ``seconds``.
 
@@ -313,31 +378,31 @@ def reduce_peak(
     1F1B), used to seed the capacity rungs. Given the ``lower_bound``, the in-flight budgets
     may also shorten the makespan towards it; the later steps then hold the shorter one.
     """
-    # A CP-SAT model is built before its time limit starts to bind (a second per 800 tasks
-    # here: the exact-peak model on table3-10 ran 1.6 s past a 1,500-task margin), so the last
-    # step must start that much before the end.
-    deadline = time.perf_counter() + seconds - len(cp.tasks) / 800
+    p = policy
+    # A CP-SAT model is built before its time limit starts to bind, so the last step must start
+    # that much before the end (``policy.build_tasks_per_second``).
+    deadline = time.perf_counter() + seconds - len(cp.tasks) / p.build_tasks_per_second
     best = [list(g) for g in order]
     log: list[dict[str, Any]] = []
     user_caps = list(caps) if caps is not None else [float("inf")] * cp.num_groups
 
     # 1) In-flight budgets: most of the pass when they work, and they fail fast when not.
     if cp.peak(best) > serial_peak + _EPS:
-        share = _BUDGET_SHARE * (deadline - time.perf_counter())
+        share = p.budget_share * (deadline - time.perf_counter())
         best = _inflight_budgets(
             cp, best, makespan=makespan, deadline=time.perf_counter() + share,
             base=inflight_counts(cp, fallback), serial_peak=serial_peak, user_caps=user_caps,
-            workers=workers, seed=seed, log=log, lower_bound=lower_bound,
+            workers=workers, seed=seed, log=log, lower_bound=lower_bound, policy=p,
         )
         makespan = min(makespan, cp.makespan(best) or makespan)
 
     # 2) Capacity rungs, lowest first; a rung's best schedule seeds the next (it fits there too).
     seed_order = fallback if cp.fits(fallback, [serial_peak + _EPS] * cp.num_groups) else None
-    rungs = [r for r in RUNGS if r * serial_peak < cp.peak(best) - _EPS]
-    rung_share = 0.35 * (deadline - time.perf_counter())
+    rungs = [r for r in p.rungs if r * serial_peak < cp.peak(best) - _EPS]
+    rung_share = p.rung_share * (deadline - time.perf_counter())
     for i, r in enumerate(rungs):
         left = deadline - time.perf_counter()
-        if seed_order is None or left < 0.5:
+        if seed_order is None or left < p.min_attempt_seconds:
             break
         # Later rungs are looser and get more time; together they take ``rung_share``.
         budget = min(left, rung_share * (1 + i) / sum(range(1, len(rungs) + 1)))
@@ -358,10 +423,10 @@ def reduce_peak(
     # 3) Exact peak with the makespan held, when the rungs did not get there: one long run
     # (restarting it from its own best order loses the solver's progress).
     left = deadline - time.perf_counter()
-    if cp.peak(best) > serial_peak + _EPS and left > 1.0:
+    if cp.peak(best) > serial_peak + _EPS and left > p.exact_min_seconds:
         res = solve_cpsat(
             cp,
-            time_limit=_EXACT_SHARE * left,
+            time_limit=p.exact_share * left,
             minimize="cumulative_peak",
             lower_bound=makespan,
             makespan_cap=makespan,
@@ -384,19 +449,20 @@ def reduce_peak(
     # paper's best outcome) or windows stop helping.
     rng = random.Random(seed)
     ms = cp.makespan(best) or makespan
-    width = ms / 4
+    width = ms * p.window_fraction
     rounds = stale = 0
     while (
-        time.perf_counter() < deadline - 0.3
+        time.perf_counter() < deadline - p.window_end_margin
         and cp.peak(best) > serial_peak + _EPS
-        and stale < _STALE_ROUNDS
+        and stale < p.window_stale_rounds
     ):
         rounds += 1
         stale += 1
         lo = rng.uniform(-width / 2, ms - width / 2)
         cand = solve_time_window(
             cp, best, lo, lo + width, makespan=makespan,
-            time_limit=min(5.0, deadline - time.perf_counter()), caps=caps, workers=workers,
+            time_limit=min(p.window_seconds, deadline - time.perf_counter()), caps=caps,
+            workers=workers,
             seed=seed + rounds,
         )
         if cand is None:

@@ -18,6 +18,10 @@ class ProblemError(ValueError):
     """A problem description that cannot be scheduled; the message names the field and the fix."""
 
 
+class InfeasibleError(ProblemError):
+    """No schedule fits the memory capacity (or none was found within the time budget)."""
+
+
 class Task(NamedTuple):
     """One unit of work: a forward or backward of one micro-batch on one stage of one model copy.
 

@@ -18,24 +18,11 @@ from .baselines import concatenated_1f1b
 from .cpsat import solve_cpsat
 from .evaluate import CompiledProblem, IdOrder
 from .greedy import greedy
-from .memory import (
-    BOUND_BUDGET,
-    STAIR_PARAMS,
-    bound_budget_limits,
-    bound_staircase,
-    reduce_peak,
-    stair_attempt_seconds,
-)
-from .problem import Problem, ProblemError, Task
+from .memory import bound_budget_limits, bound_staircase, reduce_peak, stair_attempt_seconds
+from .policy import DEFAULT_POLICY, SearchPolicy
+from .problem import InfeasibleError, Problem, Task
 
-# One at-the-bound CP-SAT attempt; the ones that succeed on Table 3 take 1-10 s on 2 cores.
-_ATTEMPT_SECONDS = 12.0
-_ATTEMPT_TASKS_PER_SECOND = 400  # plus a second per this many tasks, up to _ATTEMPT_MAX
-_ATTEMPT_MAX = 25.0
-
-
-class InfeasibleError(ProblemError):
-    """No schedule fits the memory capacity (or none was found within the time budget)."""
+__all__ = ["InfeasibleError", "search"]
 
 
 def search(
@@ -49,12 +36,14 @@ def search(
     memory_pass: bool,
     lower_bound: float,
     progress=None,
+    policy: SearchPolicy = DEFAULT_POLICY,
 ) -> tuple[list[list[Task]], bool, dict[str, Any]]:
+    p = policy
     t0 = time.perf_counter()
     # Leave room for validating and packaging the result inside the caller's budget.
-    deadline = t0 + time_limit - min(1.0, 0.02 * time_limit)
+    deadline = t0 + time_limit - min(p.result_margin_max, p.result_margin * time_limit)
     caps = list(problem.memory_capacity) if problem.memory_capacity is not None else None
-    workers = workers or 2
+    workers = workers or p.default_workers
     stats: dict[str, Any] = {"phases": []}
 
     def note(phase: str, order: IdOrder, **extra: Any) -> None:
@@ -91,7 +80,7 @@ def search(
         nonlocal best
         res = anneal(
             problem, cp, best, seconds=seconds, seed=seed, workers=workers,
-            memory_fraction=0.3, caps=caps,
+            memory_fraction=p.anneal_memory_fraction, caps=caps,
         )
         stats["anneal"] = {"makespan": res.makespan, "peak_activation": round(res.peak, 6),
                            "steps_per_worker": res.steps}
@@ -107,22 +96,22 @@ def search(
         # The bound is the goal, so its feasibility check gets the largest share; it stops as
         # soon as it finds a schedule.
         t_phase = time.perf_counter()
-        phase1 = remaining() * (0.7 if memory_pass else 1.0)
+        phase1 = remaining() * (p.makespan_share if memory_pass else 1.0)
         # 1) Is the lower bound reachable? CP-SAT's time to decide this is heavy-tailed (the
         # same model takes 6 s with one seed and times out with another), so it restarts with
         # another seed rather than spending the whole share on one run. With the memory pass
-        # on, the first attempt runs under a release staircase worth BOUND_BUDGET x the serial
+        # on, the first attempt runs under a release staircase worth bound_budget x the serial
         # peak (``staircase.py``): its precedences prune the search, so on Table 3 it finds the
         # bound on all 12 settings (0.5-18 s; 09, 4,096 tasks, 15-22 s over three seeds) and
         # hands the memory pass a schedule near 1.45x instead of 2-5x, from which staircases
         # step down. The attempts after it alternate unconstrained runs (for problems where
         # the limits exclude every schedule at the bound) and fixed in-flight limits.
         if best_ms > lower_bound + 1e-9:
-            share = phase1 * 0.85
+            share = phase1 * p.bound_share
             limits = stair = None
             if memory_pass and serial_peak > 0:
-                limits = bound_budget_limits(cp, concat, BOUND_BUDGET * serial_peak, caps)
-                stair = bound_staircase(cp, concat, BOUND_BUDGET * serial_peak, caps)
+                limits = bound_budget_limits(cp, concat, p.bound_budget * serial_peak, caps)
+                stair = bound_staircase(cp, concat, p.bound_budget * serial_peak, caps)
             # Unhinted first: on 09 (the hardest) the unhinted run is the one that got there.
             hints = [None, best if start_valid else None, concat]
             attempt = unconstrained = 0
@@ -130,29 +119,28 @@ def search(
             statuses = []
             # An unconstrained run that succeeds takes about the same time whatever the seed
             # (09: 17 s with each of three seeds), so it gets time by size.
-            per_unconstrained = min(
-                _ATTEMPT_MAX, _ATTEMPT_SECONDS + len(cp.tasks) / _ATTEMPT_TASKS_PER_SECOND
-            )
+            per_unconstrained = p.attempt_at_bound_seconds(len(cp.tasks))
             while True:
                 left = share - (time.perf_counter() - t_phase)
                 inflight = extra = params = None
                 if stair is not None:
-                    kind, per, params = "release", stair_attempt_seconds(cp), STAIR_PARAMS
+                    kind, per = "release", stair_attempt_seconds(cp, p)
+                    params = p.stair_cpsat_params()
                     inflight, extra = stair
                 elif limits is not None and last in (None, "unconstrained"):
-                    kind, per, inflight = "limited", _ATTEMPT_SECONDS, limits
+                    kind, per, inflight = "limited", p.attempt_seconds, limits
                 else:
                     kind, per = "unconstrained", per_unconstrained
                 if kind == "unconstrained" and unconstrained == 0 and attempt > 0:
                     # The bound comes first: after a failed memory-limited attempt, one
                     # unconstrained run gets its full time even past the share (09 needs 17 s).
-                    budget = min(per, 0.9 * remaining())
-                    if budget < 0.5:
+                    budget = min(per, p.unconstrained_reserve * remaining())
+                    if budget < p.min_attempt_seconds:
                         break
-                elif left < 0.5:
+                elif left < p.min_attempt_seconds:
                     break
                 else:
-                    budget = left if left < 2 * per else per
+                    budget = left if left < p.stretch_last_attempt * per else per
                 r = solve_cpsat(
                     cp,
                     time_limit=budget,
@@ -183,10 +171,10 @@ def search(
             stats["cpsat_at_bound"] = statuses
         # 2) Otherwise anneal briefly for a better hint, then minimise the makespan from it.
         if solver == "auto" and start_valid and best_ms > lower_bound + 1e-9:
-            run_anneal(min(remaining() * 0.1, 5.0))
+            run_anneal(min(remaining() * p.hint_anneal_share, p.hint_anneal_max))
             best_ms = cp.makespan(best)
         left = phase1 - (time.perf_counter() - t_phase)
-        if best_ms > lower_bound + 1e-9 and left > 0.5:
+        if best_ms > lower_bound + 1e-9 and left > p.min_attempt_seconds:
             r = solve_cpsat(
                 cp, time_limit=left, lower_bound=lower_bound,
                 makespan_cap=None if best_ms == float("inf") else best_ms,
@@ -208,11 +196,11 @@ def search(
                 "raise the capacity or the time limit"
             )
         # 3) Memory pass: hold the makespan, lower the peak.
-        if memory_pass and remaining() > 0.5:
+        if memory_pass and remaining() > p.min_attempt_seconds:
             best = reduce_peak(
                 cp, best, makespan=best_ms, seconds=remaining(), fallback=concat,
                 serial_peak=serial_peak, caps=caps, workers=workers, seed=seed, stats=stats,
-                lower_bound=lower_bound,
+                lower_bound=lower_bound, policy=p,
             )
             note("memory", best)
     if not start_valid:
