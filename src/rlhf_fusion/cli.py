@@ -86,6 +86,30 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    from .loop.demo import run_demo
+
+    run_demo(args.out, iterations=args.iterations, serial=args.serial)
+    return 0
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from .loop import LoopConfigError, RLHFConfig, load_prompts, train
+    from .loop.demo import demo_prompts
+
+    try:
+        cfg = RLHFConfig.from_file(args.config)
+        if args.iterations is not None:
+            cfg.iterations = args.iterations
+        prompts = load_prompts(cfg.prompts) if cfg.prompts else demo_prompts()
+        train(cfg, prompts, out_dir=args.out, checkpoint_every=args.checkpoint_every,
+              resume=args.resume)
+    except LoopConfigError as exc:
+        print(f"rlhf-fusion train: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def cmd_plan_demo(args: argparse.Namespace) -> int:
     from .schedule import Problem
     from .schedule.plot import plot_schedule
 
@@ -123,10 +147,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_schedule)
 
-    d = sub.add_parser("demo", help="plan a fused schedule for a built-in setting and plot it")
-    d.add_argument("--out-dir", default="rlhf-fusion-demo")
-    d.add_argument("--time-limit", type=float, default=20.0)
+    d = sub.add_parser("demo", help="PPO on tiny models, 2 CPU processes, every plugin on")
+    d.add_argument("--out", default="rlhf-fusion-demo", help="output directory")
+    d.add_argument("--iterations", type=int, default=12)
+    d.add_argument("--serial", action="store_true",
+                   help="the serial baseline (no inter- or intra-stage fusion)")
     d.set_defaults(func=cmd_demo)
+
+    t = sub.add_parser("train", help="run PPO from a YAML/JSON config (models, prompts, knobs)")
+    t.add_argument("config", help="RLHFConfig as YAML or JSON (see docs/loop.md)")
+    t.add_argument("--out", default="rlhf-fusion-run", help="metrics and checkpoints go here")
+    t.add_argument("--iterations", type=int, default=None, help="override config.iterations")
+    t.add_argument("--checkpoint-every", type=int, default=1, help="iterations per checkpoint")
+    t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    t.set_defaults(func=cmd_train)
+
+    pd = sub.add_parser("plan-demo", help="plan a fused schedule for a built-in setting, plot it")
+    pd.add_argument("--out-dir", default="rlhf-fusion-plan-demo")
+    pd.add_argument("--time-limit", type=float, default=20.0)
+    pd.set_defaults(func=cmd_plan_demo)
 
     from .rollout.cli import add_plan_migration_parser, run_plan_migration
 

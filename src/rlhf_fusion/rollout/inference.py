@@ -7,7 +7,7 @@ early (streamed) or late (serial) gives the same numbers to float64 rounding.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,14 +31,21 @@ class Experience:
 
 
 class InferenceModels:
-    """Ref (causal LM), Reward and Critic (value models) forward on finished samples."""
+    """Ref (causal LM), Reward and Critic (value models) forward on finished samples.
 
-    def __init__(self, ref: nn.Module, reward: nn.Module, critic: nn.Module, *,
+    ``reward`` is a value model (its output at the last token is the score) or a function
+    ``f(prompt_ids, response_ids) -> float`` (a rule-based reward).
+    """
+
+    def __init__(self, ref: nn.Module,
+                 reward: nn.Module | Callable[[Sequence[int], Sequence[int]], float],
+                 critic: nn.Module, *,
                  micro_batch: int = 8, dtype: torch.dtype = torch.float64,
                  device: torch.device | str = "cpu", pad_id: int = 0) -> None:
         self.device = torch.device(device)
         self.ref = ref.to(device=self.device, dtype=dtype).eval()
-        self.reward = reward.to(device=self.device, dtype=dtype).eval()
+        self.reward = (reward.to(device=self.device, dtype=dtype).eval()
+                       if isinstance(reward, nn.Module) else reward)
         self.critic = critic.to(device=self.device, dtype=dtype).eval()
         self.micro_batch = micro_batch
         self.pad_id = pad_id
@@ -62,7 +69,7 @@ class InferenceModels:
         ids, mask = ids.to(self.device), mask.to(self.device)
         with torch.no_grad():
             logits = self.ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            rewards = self.reward(ids, mask)
+            rewards = self.reward(ids, mask) if isinstance(self.reward, nn.Module) else None
             values = self.critic(ids, mask)
         out = []
         for i, s in enumerate(samples):
@@ -77,7 +84,8 @@ class InferenceModels:
                 logprobs=torch.tensor(s.logprobs, dtype=torch.float64),
                 ref_logprobs=ref_lp.cpu(),
                 values=values[i, p - 1: p - 1 + g].to(torch.float64).cpu(),
-                reward=float(rewards[i, p + g - 1]),
+                reward=(float(rewards[i, p + g - 1]) if rewards is not None
+                        else float(self.reward(s.prompt_ids, s.token_ids))),
             ))
         self.samples_scored += len(samples)
         return out

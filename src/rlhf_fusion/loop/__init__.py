@@ -1,0 +1,36 @@
+"""The RLHF loop end to end: one PPO iteration composing every plugin (RLHFuse Figure 4).
+
+Weight sync (parameter reallocation, training -> generation layout), generation with
+long-tail migration and sample-level streaming into Ref/Reward/Critic scoring, advantages
+(KL, ``gae``, whitening), and PPO epochs on the fused Actor/Critic pipeline. ``train`` runs it
+on local processes; ``PPOWorker`` is one rank's share, for code that owns its processes.
+"""
+
+from .config import (
+    FusionConfig,
+    GenerationConfig,
+    LoopConfigError,
+    ModelsConfig,
+    PPOLoopConfig,
+    RLHFConfig,
+)
+from .iteration import IterationResult, PPOWorker
+from .models import CharTokenizer, Models, build_models, vowel_fraction
+from .run import load_prompts, train
+
+__all__ = [
+    "CharTokenizer",
+    "FusionConfig",
+    "GenerationConfig",
+    "IterationResult",
+    "LoopConfigError",
+    "Models",
+    "ModelsConfig",
+    "PPOLoopConfig",
+    "PPOWorker",
+    "RLHFConfig",
+    "build_models",
+    "load_prompts",
+    "train",
+    "vowel_fraction",
+]

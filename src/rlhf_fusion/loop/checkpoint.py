@@ -1,0 +1,61 @@
+"""Checkpoints at iteration boundaries: each rank saves and restores its own share.
+
+A rank's share is what only it holds: its training stages, its optimizers' state, and the
+loop's own state (iteration index, the R_t planner's observations, the metric history). The
+generation and inference copies are not saved: the next iteration starts with a weight sync
+that rebuilds them from the training stages, and sampling is keyed on (seed, iteration,
+sample), so a resumed run repeats exactly what the uninterrupted run would have done.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..runtime.fused import ROLES
+
+
+def _modules(worker: Any) -> dict[str, torch.nn.Module]:
+    if worker.fused is None:
+        return {role: getattr(worker.models, role) for role in ROLES}
+    return {role: st.module for role, st in worker.fused.stages.items()}
+
+
+def save_worker(worker: Any, path: str | Path, history: list[dict[str, float]]) -> None:
+    planner = worker.rt_planner
+    torch.save({
+        "iteration": worker.iteration_index,
+        "world_size": worker.world,
+        "rank": worker.rank,
+        "models": {r: m.state_dict() for r, m in _modules(worker).items()},
+        "optimizers": {r: o.state_dict() for r, o in worker.optimizers.items()},
+        "rt_planner": {"dist": planner.dist, "by_batch": dict(planner.by_batch),
+                       "scoring": planner.scoring, "current": planner.current,
+                       "history": planner.history, "prompt_len": planner.prompt_len},
+        "history": history,
+    }, path)
+
+
+def load_worker(worker: Any, path: str | Path) -> list[dict[str, float]]:
+    ck = torch.load(path, map_location="cpu", weights_only=False)
+    if ck["world_size"] != worker.world or ck["rank"] != worker.rank:
+        raise ValueError(f"checkpoint {path}: saved by rank {ck['rank']} of {ck['world_size']}; "
+                         f"this is rank {worker.rank} of {worker.world}: resume with the same "
+                         "world_size")
+    for role, module in _modules(worker).items():
+        module.load_state_dict(ck["models"][role])
+    for role, opt in worker.optimizers.items():
+        opt.load_state_dict(ck["optimizers"][role])
+    planner = worker.rt_planner
+    st = ck["rt_planner"]
+    planner.dist = st["dist"]
+    planner.by_batch.clear()
+    planner.by_batch.update(st["by_batch"])
+    planner.scoring = list(st["scoring"])
+    planner.current = st["current"]
+    planner.history = list(st["history"])
+    planner.prompt_len = st["prompt_len"]
+    worker.iteration_index = ck["iteration"]
+    return list(ck["history"])

@@ -1,0 +1,249 @@
+"""Everything one RLHF run needs to know, validated before any process starts.
+
+``RLHFConfig`` nests four sections (models, generation, PPO, fusion); ``from_dict`` reads the
+same layout from YAML/JSON (``rlhf-fusion train CONFIG.yaml``). Every bad value raises
+:class:`LoopConfigError` naming the field and the fix.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+MODEL_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
+MECHANISMS = ("kv", "tokens", "auto")
+
+
+class LoopConfigError(ValueError):
+    """A run configuration that cannot work; the message names the field and the fix."""
+
+
+ModelSource = str | Mapping[str, Any]
+"""A Hub id, a local directory, or a tiny config ``{"family": "llama", "layers": 2, ...}``."""
+
+
+@dataclass
+class ModelsConfig:
+    """The four models. ``critic``/``ref`` default to the actor's source (the Critic gets the
+    actor's backbone and a new value head; the Ref is a frozen copy of the initial Actor).
+    ``reward`` is a model source, a Python callable ``f(prompt, response) -> float`` (token ids
+    or, with a tokenizer, text), or the name of a built-in rule (``"vowels"``)."""
+
+    actor: ModelSource = field(default_factory=lambda: {"family": "llama"})
+    critic: ModelSource | None = None
+    ref: ModelSource | None = None
+    reward: ModelSource | Callable[..., float] = "vowels"
+    tokenizer: str | None = None
+    seed: int = 0
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling: ``prompts_per_iteration`` prompts, each answered once per iteration."""
+
+    prompts_per_iteration: int = 32
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    seed: int = 0
+    bs_max: int = 64
+    kv_capacity_tokens: int | None = None
+
+
+@dataclass
+class PPOLoopConfig:
+    """The PPO update (TRL's names where TRL has one)."""
+
+    num_ppo_epochs: int = 2
+    num_mini_batches: int = 2
+    micro_batches: int = 2
+    learning_rate: float = 1e-3
+    critic_learning_rate: float | None = None
+    gamma: float = 1.0
+    lam: float = 0.95
+    cliprange: float = 0.2
+    cliprange_value: float | None = 0.2
+    kl_coef: float = 0.05
+    kl_mode: str = "reward"
+    kl_estimator: str = "k1"
+    whiten_advantages: bool = True
+    max_grad_norm: float | None = 1.0
+    weight_decay: float = 0.0
+
+
+@dataclass
+class FusionConfig:
+    """The plugins. Both ``inter`` and ``intra`` off is the serial baseline (RLHFuse-Base).
+
+    ``rt``: ``"auto"`` (chosen by simulation from the response lengths seen so far, refined
+    every iteration), a fraction of the batch in (0, 1), or a sample count >= 1.
+    ``pipeline_stages``: stages of the Actor's training pipeline (default: every rank);
+    ``critic_stages``: the Critic's (it then runs ``pipeline_stages / critic_stages`` copies).
+    """
+
+    inter: bool = True
+    intra: bool = True
+    rt: str | float = "auto"
+    mechanism: str = "kv"
+    pipeline_stages: int | None = None
+    critic_stages: int | None = None
+    solver: str = "auto"
+    solver_time_limit: float = 5.0
+    timeout_s: float = 120.0
+
+    @classmethod
+    def off(cls) -> FusionConfig:
+        return cls(inter=False, intra=False)
+
+
+@dataclass
+class RLHFConfig:
+    models: ModelsConfig = field(default_factory=ModelsConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    ppo: PPOLoopConfig = field(default_factory=PPOLoopConfig)
+    fusion: FusionConfig = field(default_factory=FusionConfig)
+    world_size: int = 2
+    iterations: int = 10
+    prompts: str | None = None  # a text file (one prompt a line) or JSONL with "prompt"
+
+    # -- reading ---------------------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> RLHFConfig:
+        sections = {"models": ModelsConfig, "generation": GenerationConfig,
+                    "ppo": PPOLoopConfig, "fusion": FusionConfig}
+        top = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - top)
+        if unknown:
+            raise LoopConfigError(f"config: unknown keys {unknown}; known: {sorted(top)}")
+        kw: dict[str, Any] = {}
+        for key, value in data.items():
+            if key in sections:
+                kw[key] = _section(sections[key], key, value or {})
+            else:
+                kw[key] = value
+        return cls(**kw)
+
+    @classmethod
+    def from_file(cls, path: str | Path) -> RLHFConfig:
+        p = Path(path)
+        text = p.read_text()
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text) or {}
+        else:
+            import json
+
+            data = json.loads(text)
+        cfg = cls.from_dict(data)
+        if cfg.prompts is not None and not Path(cfg.prompts).is_absolute():
+            cfg.prompts = str((p.parent / cfg.prompts).resolve())
+        return cfg
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        if callable(self.models.reward):
+            out["models"]["reward"] = getattr(self.models.reward, "__name__", "callable")
+        return out
+
+    # -- checking --------------------------------------------------------------------------------
+    def validate(self) -> None:
+        """Raise :class:`LoopConfigError` for anything that cannot run (no process started)."""
+        g, p, f = self.generation, self.ppo, self.fusion
+        _positive("world_size", self.world_size)
+        _positive("iterations", self.iterations, zero=True)
+        for src_name in ("actor", "critic", "ref"):
+            src = getattr(self.models, src_name)
+            if isinstance(src, Mapping):
+                fam = src.get("family", "llama")
+                if fam not in MODEL_FAMILIES:
+                    raise LoopConfigError(
+                        f"models.{src_name}.family: unknown model family {fam!r}; supported: "
+                        f"{', '.join(MODEL_FAMILIES)}")
+        _positive("generation.prompts_per_iteration", g.prompts_per_iteration)
+        _positive("generation.max_new_tokens", g.max_new_tokens)
+        _positive("generation.bs_max", g.bs_max)
+        if g.temperature <= 0:
+            raise LoopConfigError("generation.temperature: must be > 0 (PPO needs the sampling "
+                                  "distribution's logprobs)")
+        for name in ("num_ppo_epochs", "num_mini_batches", "micro_batches"):
+            _positive(f"ppo.{name}", getattr(p, name))
+        batch = g.prompts_per_iteration
+        if batch % p.num_mini_batches:
+            raise LoopConfigError(
+                f"ppo.num_mini_batches: {p.num_mini_batches} does not divide "
+                f"generation.prompts_per_iteration={batch}; use a divisor of {batch}")
+        mini = batch // p.num_mini_batches
+        replicas = self.world_size // self.stages() if self.world_size > 1 else 1
+        if mini % (p.micro_batches * replicas):
+            raise LoopConfigError(
+                f"ppo.micro_batches: a mini-batch of {mini} samples cannot be split into "
+                f"{p.micro_batches} micro-batches x {replicas} data-parallel replicas; pick "
+                f"micro_batches dividing {mini // replicas}")
+        if p.kl_mode not in ("reward", "loss"):
+            raise LoopConfigError(f"ppo.kl_mode: {p.kl_mode!r}; use 'reward' or 'loss'")
+        if p.kl_estimator not in ("k1", "k2", "k3"):
+            raise LoopConfigError(f"ppo.kl_estimator: {p.kl_estimator!r}; use k1, k2 or k3")
+        if not (0 <= p.gamma <= 1 and 0 <= p.lam <= 1):
+            raise LoopConfigError("ppo.gamma and ppo.lam must lie in [0, 1]")
+        if f.mechanism not in MECHANISMS:
+            raise LoopConfigError(f"fusion.mechanism: {f.mechanism!r}; use one of {MECHANISMS}")
+        if f.inter:
+            if self.world_size < 2:
+                raise LoopConfigError(
+                    "fusion.inter: inter-stage fusion needs world_size >= 2 generation "
+                    "instances; set world_size: 2 or fusion.inter: false")
+            self.rt_samples(None)
+        if self.world_size > 1:
+            n = self.stages()
+            if self.world_size % n:
+                raise LoopConfigError(
+                    f"fusion.pipeline_stages: {n} does not divide world_size={self.world_size}")
+            cs = f.critic_stages or n
+            if n % cs:
+                raise LoopConfigError(
+                    f"fusion.critic_stages: {cs} does not divide pipeline_stages={n}")
+            if (p.micro_batches % (n // cs)):
+                raise LoopConfigError(
+                    f"ppo.micro_batches: {p.micro_batches} cannot be shared by the {n // cs} "
+                    f"Critic copies; use a multiple of {n // cs}")
+        if f.timeout_s <= 0:
+            raise LoopConfigError("fusion.timeout_s: must be > 0 seconds")
+
+    def stages(self) -> int:
+        return self.fusion.pipeline_stages or self.world_size
+
+    def rt_samples(self, auto: int | None) -> int | None:
+        """R_t in samples: the fixed value, or ``auto`` (the planner's) when ``rt="auto"``."""
+        rt, batch = self.fusion.rt, self.generation.prompts_per_iteration
+        if rt == "auto":
+            return auto
+        if isinstance(rt, str):
+            raise LoopConfigError(f"fusion.rt: {rt!r}; use 'auto', a fraction in (0, 1) or a "
+                                  "sample count")
+        if 0 < rt < 1:
+            return max(1, round(rt * batch))
+        if rt >= 1 and float(rt).is_integer() and rt <= batch:
+            return int(rt)
+        raise LoopConfigError(
+            f"fusion.rt: {rt} is outside the batch of {batch} samples; use a fraction in (0, 1) "
+            f"or a count in 1..{batch} (or 'auto')")
+
+
+def _section(cls: type, name: str, value: Any) -> Any:
+    if not isinstance(value, Mapping):
+        raise LoopConfigError(f"{name}: expected a mapping, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise LoopConfigError(f"{name}: unknown keys {unknown}; known: {sorted(known)}")
+    return cls(**value)
+
+
+def _positive(name: str, value: Any, *, zero: bool = False) -> None:
+    ok = isinstance(value, int) and (value >= 0 if zero else value >= 1)
+    if not ok or (isinstance(value, float) and math.isnan(value)):
+        raise LoopConfigError(f"{name}: must be an integer >= {0 if zero else 1}, got {value!r}")

@@ -1,0 +1,336 @@
+"""One PPO iteration on one rank, read top to bottom: sync, generate + score, advantages, train.
+
+Every rank of the default process group runs :meth:`PPOWorker.iteration` with the same prompts.
+With one process (no process group) the same code runs unpipelined on one device: that run
+is the exactness reference of the distributed ones.
+
+1. **Weight sync**: the Actor's and the Critic's training stages are broadcast to the whole
+   copies that generation and inference use (:mod:`.reallocate`).
+2. **Generation + inference**: every rank is a generation instance; with inter-stage fusion the
+   long tail migrates to ``m`` ranks once ``R_t`` samples remain and the freed ranks score
+   finished samples as they stream in (:func:`rlhf_fusion.rollout.run_rollout`).
+3. **Advantages**: KL in the reward or the loss, GAE, whitening (:mod:`.advantages`).
+4. **Training**: PPO epochs x mini-batches; each mini-batch is one fused Actor/Critic pipeline
+   step (or the serial 1F1B order with intra-stage fusion off) planned once from profiled
+   stage times and activation memory and reused.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..rollout.inference import Experience, InferenceModels
+from ..rollout.local import LocalFusedRollout
+from ..rollout.reference import ReferenceBackend
+from ..rollout.types import SampleSpec
+from ..runtime.fused import (
+    ROLES,
+    default_loss_fns,
+    fused_problem,
+    partition_rank,
+    pipelined_step,
+    reference_step,
+)
+from ..runtime.microbatch import split_micro_batches
+from ..runtime.ppo import PPOConfig
+from . import advantages as adv
+from .config import RLHFConfig
+from .models import Models, build_models
+from .reallocate import broadcast_parameters, full_state, minimum_bytes, ownership, shapes_of
+from .rt import RtPlanner, TimedBackend, timed_scoring
+
+
+def ppo_config(cfg: RLHFConfig) -> PPOConfig:
+    p = cfg.ppo
+    return PPOConfig(
+        micro_batches=p.micro_batches, clip_eps=p.cliprange, value_clip_eps=p.cliprange_value,
+        kl_mode=p.kl_mode,  # type: ignore[arg-type]
+        kl_coef=p.kl_coef if p.kl_mode == "loss" else 0.0,
+        kl_estimator=p.kl_estimator,  # type: ignore[arg-type]
+        max_grad_norm=p.max_grad_norm,
+    )
+
+
+@dataclass
+class IterationResult:
+    """What one iteration produced: metrics (TRL names), the experience, per-rank timings."""
+
+    metrics: dict[str, float]
+    experiences: list[Experience]
+    timeline: dict[str, Any] = field(default_factory=dict)
+
+
+class PPOWorker:
+    """One rank's models, generation instance, training stages and optimizers."""
+
+    def __init__(self, cfg: RLHFConfig, *, models: Models | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        cfg.validate()
+        self.cfg = cfg
+        self.device = torch.device(device)
+        self.distributed = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        if self.world != cfg.world_size and self.distributed:
+            raise ValueError(f"world_size: the config says {cfg.world_size}, the process group "
+                             f"has {self.world} ranks")
+        self.models = models if models is not None else build_models(cfg.models)
+        m, g = self.models, cfg.generation
+        self.tokenizer = m.tokenizer
+        # Whole copies for generation and inference; training owns the originals.
+        self.backend = TimedBackend(ReferenceBackend(
+            copy.deepcopy(m.actor), instance_id=self.rank, max_batch_size=g.bs_max,
+            kv_capacity_tokens=g.kv_capacity_tokens, device=self.device))
+        self.inference = InferenceModels(m.ref, self._reward(), copy.deepcopy(m.critic),
+                                         micro_batch=8, device=self.device,
+                                         pad_id=self.tokenizer.pad_token_id)
+        self._scoring: list[tuple[int, float]] = []
+        self.inference.score = timed_scoring(self.inference.score, self._scoring)
+        self.ppo = ppo_config(cfg)
+        self.fused = None
+        self._shapes = {role: shapes_of(getattr(m, role)) for role in ROLES}
+        if self.world > 1:
+            n = cfg.stages()
+            problem = fused_problem(stage_groups=n, micro_batches=cfg.ppo.micro_batches,
+                                    actor_stages=n, critic_stages=cfg.fusion.critic_stages or n)
+            self.fused = partition_rank(problem, {"actor": m.actor, "critic": m.critic},
+                                        self.rank, loss_fns=default_loss_fns(self.ppo),
+                                        replicas=self.world // n, device=self.device)
+            params = {role: list(self.fused.stages[role].parameters())
+                      for role in self.fused.stages}
+        else:
+            params = {role: list(getattr(m, role).parameters()) for role in ROLES}
+        lr = {"actor": cfg.ppo.learning_rate,
+              "critic": cfg.ppo.critic_learning_rate or cfg.ppo.learning_rate}
+        self.optimizers = {role: torch.optim.AdamW(ps, lr=lr[role], eps=1e-5,
+                                                   weight_decay=cfg.ppo.weight_decay)
+                           for role, ps in params.items()}
+        self.rt_planner = RtPlanner(cfg, self.world)
+        self._owners: dict[str, Any] | None = None
+        self.iteration_index = 0
+        self.schedule = None
+
+    # -- pieces ----------------------------------------------------------------------------------
+    def _reward(self) -> Any:
+        r = self.models.reward
+        if isinstance(r, torch.nn.Module):
+            return r
+        tok = self.tokenizer
+        return lambda prompt_ids, response_ids: float(r(tok.decode(prompt_ids),
+                                                        tok.decode(response_ids)))
+
+    def specs(self, prompts: Sequence[Sequence[int]], iteration: int) -> list[SampleSpec]:
+        g = self.cfg.generation
+        # A new sampling key per iteration; within one, a sample's tokens depend only on it.
+        seed = g.seed * 1_000_003 + iteration
+        return [SampleSpec(sample_id=i, prompt_ids=tuple(p), max_new_tokens=g.max_new_tokens,
+                           seed=seed, temperature=g.temperature,
+                           stop_token_ids=(int(self.tokenizer.eos_token_id),))
+                for i, p in enumerate(prompts)]
+
+    def sync_weights(self) -> dict[str, float]:
+        """Training layout -> generation layout, for the Actor (backend) and the Critic."""
+        targets = {"actor": self.backend.model, "critic": self.inference.critic}
+        if self.fused is None:
+            for role, dst in targets.items():
+                src = getattr(self.models, role)
+                dst.load_state_dict(full_state(dst, dict(src.named_parameters())))
+            return {"realloc/bytes": 0.0, "realloc/min_bytes": 0.0}
+        stage_params = {r: dict(s.module.named_parameters()) for r, s in self.fused.stages.items()}
+        if self._owners is None:
+            canonical = {r: self._canonical(r) for r in stage_params}
+            self._owners = ownership(stage_params, canonical)
+        moved = minimum = 0
+        for role, dst in targets.items():
+            own = self._owners[role]
+            params, got = broadcast_parameters(own, stage_params.get(role, {}),
+                                               self._shapes[role], self.device)
+            moved += got
+            minimum += minimum_bytes(own, self._shapes[role], self.world)
+            if role == "actor":
+                self.backend.update_weights(full_state(dst, params))
+            else:
+                dst.load_state_dict(full_state(dst, params))
+        totals = torch.tensor([float(moved)], dtype=torch.float64)
+        dist.all_reduce(totals)
+        return {"realloc/bytes": float(totals[0]), "realloc/min_bytes": float(minimum)}
+
+    def rollout(self, specs: list[SampleSpec]) -> tuple[list[Experience], dict[str, Any]]:
+        """Generation + inference; every rank returns the whole batch, sorted by sample id."""
+        f = self.cfg.fusion
+        if self.world == 1:
+            out = LocalFusedRollout([self.backend], self.inference).run(specs)
+            return out.experiences or [], {"ranks": [], "rt": None}
+        from ..rollout import RolloutConfig, run_rollout
+
+        rt = self.rt_planner.rt() if f.inter else None
+        rcfg = RolloutConfig(fused=f.inter, rt=rt, mechanism=f.mechanism, timeout_s=f.timeout_s)
+        out = run_rollout(self.backend, self.inference, specs, rcfg,
+                          bs_max=self.cfg.generation.bs_max)
+        return out.experiences or [], {**out.stats, "rt": rt}
+
+    def batch(self, exps: list[Experience]) -> tuple[dict[str, Tensor], dict[str, float]]:
+        p = self.cfg.ppo
+        rb = adv.response_batch(exps)
+        rewards = adv.token_rewards(rb, kl_coef=p.kl_coef, kl_mode=p.kl_mode,
+                                    estimator=p.kl_estimator)
+        a, r = adv.advantages_and_returns(rb, rewards, gamma=p.gamma, lam=p.lam,
+                                          whiten_advantages=p.whiten_advantages)
+        batch = adv.training_batch(exps, a, r, rb, pad_id=self.tokenizer.pad_token_id)
+        return batch, adv.rollout_metrics(rb, kl_coef=p.kl_coef, estimator=p.kl_estimator)
+
+    def _plan(self, mbs: list[dict[str, Tensor]]) -> None:
+        assert self.fused is not None
+        f = self.cfg.fusion
+        if f.intra:
+            self.schedule = self.fused.plan(mbs, solver=f.solver, time_limit=f.solver_time_limit,
+                                            timeout=f.timeout_s, device=self.device)
+        else:
+            from ..schedule import solve
+
+            serial = solve(self.fused.problem, "concatenated_1f1b", time_limit=1.0)
+            self.schedule = self.fused.plan(mbs, schedule=serial, timeout=f.timeout_s,
+                                            device=self.device)
+
+    def train(self, batch: dict[str, Tensor], iteration: int) -> dict[str, float]:
+        """PPO epochs x mini-batches; every rank holds the whole batch and takes its rows."""
+        p = self.cfg.ppo
+        rows = batch["input_ids"].shape[0]
+        mini = rows // p.num_mini_batches
+        replicas = self.world // self.cfg.stages() if self.fused is not None else 1
+        replica = self.rank // self.cfg.stages() if self.fused is not None else 0
+        sums: dict[str, float] = {}
+        steps = 0
+        for epoch in range(p.num_ppo_epochs):
+            gen = torch.Generator().manual_seed(self.cfg.generation.seed * 7919 + iteration * 101
+                                                + epoch)
+            order = torch.randperm(rows, generator=gen)
+            for k in range(p.num_mini_batches):
+                idx = order[k * mini: (k + 1) * mini]
+                part = {key: v[idx] for key, v in batch.items()}
+                mbs = split_micro_batches(part, p.micro_batches * replicas)
+                if self.fused is None:
+                    out = reference_step(
+                        {"actor": self.models.actor, "critic": self.models.critic}, mbs,
+                        self.optimizers, default_loss_fns(self.ppo), max_grad_norm=p.max_grad_norm)
+                else:
+                    mine = mbs[replica * p.micro_batches: (replica + 1) * p.micro_batches]
+                    if self.fused.engine is None:
+                        self._plan(mine)
+                    out = pipelined_step(self.fused, mine, self.optimizers,
+                                         max_grad_norm=p.max_grad_norm)
+                steps += 1
+                for role, st in out["stats"].items():
+                    for name, v in st.items():
+                        key = f"{role}/{name}"
+                        sums[key] = sums.get(key, 0.0) + float(v)
+                for role, v in (out.get("grad_norm") or {}).items():
+                    sums[f"{role}/grad_norm"] = sums.get(f"{role}/grad_norm", 0.0) + float(v)
+        means = {k: v / max(steps, 1) for k, v in sums.items()}
+        return trl_training_metrics(means)
+
+    # -- the iteration ---------------------------------------------------------------------------
+    def iteration(self, prompts: Sequence[Sequence[int]]) -> IterationResult:
+        it = self.iteration_index
+        t0 = time.perf_counter()
+        self.backend.wake_up()
+        realloc = self.sync_weights()
+        t1 = time.perf_counter()
+        specs = self.specs(prompts, it)
+        self.backend.reset_timing()
+        self._scoring.clear()
+        exps, stats = self.rollout(specs)
+        self.backend.sleep()  # the generation copy's KV is freed while training runs
+        t2 = time.perf_counter()
+        batch, metrics = self.batch(exps)
+        t3 = time.perf_counter()
+        metrics.update(self.train(batch, it))
+        t4 = time.perf_counter()
+        self.rt_planner.observe([len(e.response_ids) for e in exps], self.backend, self._scoring,
+                                prompt_len=sum(len(p) for p in prompts) / max(len(prompts), 1))
+        gen_end = _max_stat(stats, "generation_end_s")
+        inf_start = _min_stat(stats, "inference_start_s")
+        rollout_s = t2 - t1
+        gen_s = gen_end if gen_end is not None else rollout_s
+        metrics.update({
+            "time/weight_sync": t1 - t0,
+            "time/generation": gen_s,
+            "time/inference": max(rollout_s - (inf_start or gen_s), 0.0),
+            "time/rollout": rollout_s,
+            "time/advantages": t3 - t2,
+            "time/training": t4 - t3,
+            "time/iteration": t4 - t0,
+            "samples_per_s": len(exps) / (t4 - t0),
+            "fusion/rt": float(stats.get("rt") or 0),
+            "episode": float((it + 1) * len(exps)),
+            **realloc,
+        })
+        self.iteration_index += 1
+        timeline = {"t0": t0, "sync": (0.0, t1 - t0), "rollout": (t1 - t0, t2 - t0),
+                    "advantages": (t2 - t0, t3 - t0), "training": (t3 - t0, t4 - t0),
+                    "ranks": stats.get("ranks", [])}
+        return IterationResult(metrics, exps, timeline)
+
+    # -- state for checkpoints and exactness checks ----------------------------------------------
+    def canonical_state(self) -> dict[str, Tensor]:
+        """This rank's share of ``{actor.*, critic.*}`` (every entry once over all ranks)."""
+        out: dict[str, Tensor] = {}
+        if self.fused is None:
+            for role in ROLES:
+                for k, v in getattr(self.models, role).named_parameters():
+                    out[f"{role}.{k}"] = v.detach().clone()
+            return out
+        for role, st in self.fused.stages.items():
+            if self._canonical(role):
+                for k, v in st.module.named_parameters():
+                    out[f"{role}.{k}"] = v.detach().clone()
+        return out
+
+    def _canonical(self, role: str) -> bool:
+        """Replica 0, copy 0: the rank whose stage of ``role`` is the one saved and sent."""
+        return self.fused is None or self.fused.is_canonical(role)
+
+    def set_fusion(self, *, inter: bool, intra: bool) -> None:
+        """Switch the plugins between iterations (the pipeline is re-planned if needed)."""
+        f = self.cfg.fusion
+        if self.fused is not None and intra != f.intra:
+            self.fused.close()
+        f.inter, f.intra = inter, intra
+
+    def close(self) -> None:
+        if self.fused is not None:
+            self.fused.close()
+
+
+def trl_training_metrics(means: dict[str, float]) -> dict[str, float]:
+    """The training stats under TRL's PPO names (plus ours under their own)."""
+    names = {
+        "actor/loss": "loss/policy_avg",
+        "critic/loss": "loss/value_avg",
+        "actor/approx_kl": "policy/approxkl_avg",
+        "actor/clip_frac": "policy/clipfrac_avg",
+        "actor/entropy": "policy/entropy_avg",
+        "critic/clip_frac": "val/clipfrac_avg",
+        "critic/value_mean": "val/value_avg",
+        "actor/grad_norm": "policy/grad_norm",
+        "critic/grad_norm": "val/grad_norm",
+    }
+    return {names.get(k, k): v for k, v in means.items()}
+
+
+def _max_stat(stats: dict[str, Any], key: str) -> float | None:
+    vals = [r.get(key) for r in stats.get("ranks", []) if r.get(key) is not None]
+    return max(vals) if vals else None
+
+
+def _min_stat(stats: dict[str, Any], key: str) -> float | None:
+    vals = [r.get(key) for r in stats.get("ranks", []) if r.get(key) is not None]
+    return min(vals) if vals else None

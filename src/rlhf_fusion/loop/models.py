@@ -1,0 +1,164 @@
+"""The four models of PPO, the tokenizer and the reward, from Hub ids, local dirs or configs.
+
+Every rank builds the same weights from the same source (seeded initialisation for configs,
+the same files for pretrained models), so no broadcast is needed before the first iteration.
+"""
+
+from __future__ import annotations
+
+import copy
+import string
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..runtime.partition import CriticModel
+from .config import MODEL_FAMILIES, LoopConfigError, ModelsConfig, ModelSource
+
+RewardFn = Callable[[str, str], float]
+"""A rule-based reward, as TRL's reward functions: ``f(prompt_text, response_text) -> score``."""
+
+
+class CharTokenizer:
+    """A character tokenizer built locally (nothing downloaded): pad 0, eos 1, then characters.
+
+    It is what the demo and the tests use; any object with ``encode``, ``decode``,
+    ``eos_token_id`` and ``pad_token_id`` works in its place (see :func:`load_tokenizer`).
+    """
+
+    alphabet = string.ascii_lowercase + " .,:?!'-"
+
+    def __init__(self) -> None:
+        self.pad_token_id = 0
+        self.eos_token_id = 1
+        self._ids = {c: i + 2 for i, c in enumerate(self.alphabet)}
+        self._chars = {i: c for c, i in self._ids.items()}
+        self.vocab_size = len(self.alphabet) + 2
+
+    def encode(self, text: str) -> list[int]:
+        return [self._ids[c] for c in text.lower() if c in self._ids]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(self._chars.get(int(i), "") for i in ids)
+
+
+class HFTokenizer:
+    """Adapter over a ``transformers`` tokenizer (chat template when it has one)."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+        self.eos_token_id = tok.eos_token_id
+        self.pad_token_id = tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id
+        self.vocab_size = len(tok)
+
+    def encode(self, text: str) -> list[int]:
+        if getattr(self.tok, "chat_template", None):
+            return list(self.tok.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True))
+        return list(self.tok(text)["input_ids"])
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=True)
+
+
+def load_tokenizer(cfg: ModelsConfig) -> Any:
+    name = cfg.tokenizer or (cfg.actor if isinstance(cfg.actor, str) else None)
+    if name is None:
+        return CharTokenizer()
+    from transformers import AutoTokenizer
+
+    return HFTokenizer(AutoTokenizer.from_pretrained(name))
+
+
+def tiny_lm_config(vocab_size: int, family: str = "llama", *, layers: int = 2,
+                   hidden: int = 64, heads: int = 4, kv_heads: int = 2,
+                   max_positions: int = 2048, **extra: Any) -> Any:
+    """A small ``transformers`` config of the given family (never downloaded)."""
+    if family not in MODEL_FAMILIES:
+        raise LoopConfigError(f"model family {family!r}: supported {', '.join(MODEL_FAMILIES)}")
+    import transformers
+
+    common = dict(vocab_size=vocab_size, **extra)
+    if family == "gpt2":
+        return transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads,
+                                       n_inner=2 * hidden, n_positions=max_positions, **common)
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "mistral": transformers.MistralConfig}[family]
+    return cls(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+               num_attention_heads=heads, num_key_value_heads=kv_heads,
+               max_position_embeddings=max_positions, tie_word_embeddings=False, **common)
+
+
+def _seeded(seed: int, build: Callable[[], nn.Module]) -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return build()
+
+
+def _config_of(src: Mapping[str, Any], vocab_size: int) -> tuple[Any, int]:
+    kw = dict(src)
+    seed = int(kw.pop("seed", 0))
+    family = kw.pop("family", "llama")
+    return tiny_lm_config(int(kw.pop("vocab_size", vocab_size)), family, **kw), seed
+
+
+def causal_lm(src: ModelSource, vocab_size: int, seed: int = 0) -> nn.Module:
+    """An Actor/Ref: ``AutoModelForCausalLM`` from a Hub id, a local dir or a tiny config."""
+    from transformers import AutoModelForCausalLM
+
+    if isinstance(src, Mapping):
+        config, s = _config_of(src, vocab_size)
+        return _seeded(seed + s, lambda: AutoModelForCausalLM.from_config(config))
+    return AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
+
+
+def value_model(src: ModelSource, vocab_size: int, seed: int = 0) -> CriticModel:
+    """A Critic/Reward: the source's decoder backbone and a freshly seeded value head."""
+    from transformers import AutoModel
+
+    if isinstance(src, Mapping):
+        config, s = _config_of(src, vocab_size)
+        return _seeded(seed + s, lambda: CriticModel(AutoModel.from_config(config)))
+    backbone = AutoModel.from_pretrained(src, torch_dtype=torch.float32)
+    return _seeded(seed, lambda: CriticModel(backbone))
+
+
+def vowel_fraction(prompt: str, response: str) -> float:
+    """The demo's rule-based reward: the fraction of response characters that are vowels."""
+    return sum(c in "aeiou" for c in response) / max(1, len(response))
+
+
+BUILTIN_REWARDS: dict[str, RewardFn] = {"vowels": vowel_fraction}
+
+
+@dataclass
+class Models:
+    """Actor and Critic (trained), Ref (frozen), and the Reward (model or function)."""
+
+    actor: nn.Module
+    critic: CriticModel
+    ref: nn.Module
+    reward: nn.Module | RewardFn
+    tokenizer: Any
+
+
+def build_models(cfg: ModelsConfig) -> Models:
+    tokenizer = load_tokenizer(cfg)
+    vocab = int(tokenizer.vocab_size)
+    actor = causal_lm(cfg.actor, vocab, cfg.seed)
+    ref = copy.deepcopy(actor) if cfg.ref is None else causal_lm(cfg.ref, vocab, cfg.seed)
+    critic = value_model(cfg.critic if cfg.critic is not None else cfg.actor, vocab, cfg.seed + 1)
+    reward: nn.Module | RewardFn
+    if callable(cfg.reward):
+        reward = cfg.reward
+    elif isinstance(cfg.reward, str) and cfg.reward in BUILTIN_REWARDS:
+        reward = BUILTIN_REWARDS[cfg.reward]
+    else:
+        reward = value_model(cfg.reward, vocab, cfg.seed + 2)
+    for m in (ref, reward):
+        if isinstance(m, nn.Module):
+            m.requires_grad_(False).eval()
+    return Models(actor.train(), critic.train(), ref, reward, tokenizer)

@@ -1,0 +1,134 @@
+"""Choosing R_t inside the loop (RLHFuse §4.2): simulate, refine every iteration, converge.
+
+The simulator (:mod:`rlhf_fusion.rollout.planning.simulate`) needs two things the loop learns
+as it runs: the response-length distribution (refined with every batch's lengths) and the
+instance costs (fitted to every decode step and scoring call timed so far). Both accumulate
+over iterations, so one noisy step moves them little; the fit uses per-batch-size medians, and
+the choice keeps the previous R_t while it is within ``STICKY`` of the best, so the chosen
+R_t settles instead of wandering with timing noise. Rank 0 decides and broadcasts: every rank
+must trigger on the same R_t.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch.distributed as dist
+
+from ..rollout.planning.lengths import LengthDistribution
+from ..rollout.planning.simulate import ClusterModel, plan_migration
+
+# Keep the current R_t while its simulated time is within this fraction of the best one: the
+# sweep's curve is flat near its minimum, and timing noise must not move the choice there.
+STICKY = 0.03
+# R_t before any length has been seen: a quarter of the batch (RLHFuse's sweeps put the best
+# R_t at 20-40 % of the batch for long-tailed lengths).
+FIRST_FRACTION = 0.25
+# Weight of the newest batch when the length distribution is refined.
+REFINE_WEIGHT = 0.5
+
+
+class TimedBackend:
+    """A GenerationBackend that records ``(running samples, seconds)`` of every decode step."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.steps: list[tuple[int, float]] = []
+
+    def step(self) -> Any:
+        b = getattr(self._inner, "num_active", 0) or len(self._inner.unfinished())
+        t = time.perf_counter()
+        out = self._inner.step()
+        self.steps.append((b, time.perf_counter() - t))
+        return out
+
+    def reset_timing(self) -> None:
+        self.steps = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def timed_scoring(score: Callable[[Sequence[Any]], Any], log: list[tuple[int, float]]
+                  ) -> Callable[[Sequence[Any]], Any]:
+    """Wrap ``InferenceModels.score`` to log ``(tokens scored, seconds)`` per call."""
+
+    def run(samples: Sequence[Any]) -> Any:
+        t = time.perf_counter()
+        out = score(samples)
+        tokens = sum(len(s.prompt_ids) + len(s.token_ids) for s in samples)
+        log.append((tokens, time.perf_counter() - t))
+        return out
+
+    return run
+
+
+class RtPlanner:
+    def __init__(self, cfg: Any, world: int) -> None:
+        self.cfg = cfg
+        self.world = world
+        self.batch = cfg.generation.prompts_per_iteration
+        self.dist: LengthDistribution | None = None
+        self.by_batch: dict[int, list[float]] = defaultdict(list)
+        self.scoring: list[tuple[int, float]] = []
+        self.prompt_len = 0
+        self.current: int | None = None
+        self.history: list[int] = []
+
+    def observe(self, lengths: Sequence[int], backend: TimedBackend,
+                scoring: Sequence[tuple[int, float]] = (), prompt_len: float = 0.0) -> None:
+        lengths = [max(1, int(x)) for x in lengths]
+        if lengths:
+            self.dist = (LengthDistribution(lengths) if self.dist is None
+                         else self.dist.refine(lengths, REFINE_WEIGHT))
+        for b, s in backend.steps:
+            self.by_batch[b].append(s)
+        self.scoring.extend(scoring)
+        self.prompt_len = int(prompt_len)
+
+    def cluster(self) -> ClusterModel:
+        """Instance costs fitted to the medians of the decode steps, per running-batch size."""
+        pts = [(b, statistics.median(v)) for b, v in sorted(self.by_batch.items()) if v]
+        if len(pts) >= 2:
+            mx = statistics.fmean(b for b, _ in pts)
+            my = statistics.fmean(s for _, s in pts)
+            var = sum((b - mx) ** 2 for b, _ in pts)
+            slope = max(sum((b - mx) * (s - my) for b, s in pts) / var, 0.0) if var else 0.0
+            base = max(my - slope * mx, 1e-6)
+        else:
+            slope, base = 0.0, pts[0][1] if pts else 1e-3
+        tok = sum(t for t, _ in self.scoring)
+        per_token = (sum(s for _, s in self.scoring) / tok) if tok else base / 16
+        g = self.cfg.generation
+        return ClusterModel(
+            instances=self.world, bs_max=g.bs_max, step_base_s=base, step_per_sample_s=slope,
+            step_per_kv_token_s=0.0, prefill_per_token_s=per_token / 3,
+            infer_per_token_s=per_token, kv_capacity_tokens=g.kv_capacity_tokens,
+            prompt_len=self.prompt_len)
+
+    def _decide(self) -> int:
+        fixed = self.cfg.rt_samples(None)
+        if fixed is not None:
+            return fixed
+        if self.dist is None:
+            return max(1, round(FIRST_FRACTION * self.batch))
+        plan = plan_migration(self.dist, self.cluster(), self.batch, trials=4, seed=0)
+        best = plan.rt
+        if self.current is not None:
+            now = next((p for p in plan.sweep.feasible if p.rt == self.current), None)
+            if now is not None and now.fused_s <= plan.fused_s * (1 + STICKY):
+                best = self.current
+        return best
+
+    def rt(self) -> int:
+        """R_t for the next rollout; collective when distributed (rank 0 decides)."""
+        box = [self._decide() if not dist.is_initialized() or dist.get_rank() == 0 else None]
+        if dist.is_initialized():
+            dist.broadcast_object_list(box, src=0)
+        self.current = int(box[0])
+        self.history.append(self.current)
+        return self.current

@@ -1,0 +1,174 @@
+"""Running the loop: N local processes, a row per iteration, metrics.jsonl, checkpoints.
+
+``train(cfg, prompts, out_dir=...)`` validates everything in the calling process, then spawns
+``cfg.world_size`` gloo ranks (one process, no group, when ``world_size == 1``). Rank 0 prints
+a progress bar and a row per iteration and writes ``metrics.jsonl``. With ``checkpoint_every``
+every rank saves its share at iteration boundaries; ``resume=True`` continues from the last
+complete one and gives the same results as a run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .config import LoopConfigError, RLHFConfig
+
+ROW_KEYS = (("objective/scores", "reward", "{:.3f}"), ("objective/kl", "kl", "{:.3f}"),
+            ("loss/policy_avg", "pg", "{:+.3f}"), ("loss/value_avg", "vf", "{:.3f}"),
+            ("response_length/p50", "len50", "{:.0f}"), ("response_length/p99", "len99", "{:.0f}"),
+            ("fusion/rt", "R_t", "{:.0f}"), ("samples_per_s", "samples/s", "{:.1f}"))
+
+
+def load_prompts(path: str | Path) -> list[str]:
+    """One prompt a line (``.txt``) or JSON lines with a ``"prompt"`` field (``.jsonl``)."""
+    p = Path(path)
+    if not p.exists():
+        raise LoopConfigError(f"prompts: {p} does not exist")
+    lines = [x for x in p.read_text().splitlines() if x.strip()]
+    if p.suffix == ".jsonl":
+        return [json.loads(x)["prompt"] for x in lines]
+    return lines
+
+
+def prompts_for(prompt_ids: Sequence[Sequence[int]], iteration: int, batch: int
+                ) -> list[list[int]]:
+    """The prompts of one iteration: the next ``batch`` of the dataset, cycling."""
+    n = len(prompt_ids)
+    return [list(prompt_ids[(iteration * batch + i) % n]) for i in range(batch)]
+
+
+def summary_row(it: int, m: dict[str, float]) -> str:
+    return f"{it:>4}  " + "  ".join(f"{label}={fmt.format(m[k])}" for k, label, fmt in ROW_KEYS
+                                    if k in m)
+
+
+def train(cfg: RLHFConfig, prompts: Sequence[str], *, out_dir: str | Path | None = None,
+          checkpoint_every: int = 0, resume: bool = False, progress: bool = True,
+          stop_after: int | None = None, timeline_serial: bool = False,
+          threads: int = 1) -> dict[str, Any]:
+    """Run ``cfg.iterations`` PPO iterations; returns rank 0's history and final state."""
+    cfg.validate()
+    if not prompts:
+        raise LoopConfigError("prompts: the prompt set is empty")
+    from .models import load_tokenizer
+
+    tok = load_tokenizer(cfg.models)
+    prompt_ids = [tok.encode(p) for p in prompts]
+    empty = [i for i, p in enumerate(prompt_ids) if not p]
+    if empty:
+        raise LoopConfigError(f"prompts: {len(empty)} prompts encode to no tokens (first: line "
+                              f"{empty[0] + 1}); remove them")
+    args = (cfg, prompt_ids, str(out_dir) if out_dir else None, checkpoint_every, resume,
+            progress, stop_after, timeline_serial)
+    if cfg.world_size == 1:
+        return rank_main(0, 1, *args)
+    from ..launch import run_ranks
+
+    results = run_ranks(rank_main, cfg.world_size, *args, threads=threads,
+                        collective_timeout=cfg.fusion.timeout_s,
+                        timeout=cfg.fusion.timeout_s * max(cfg.iterations, 1) * 4 + 300)
+    out = results[0].value
+    out["states"] = [r.value["state"] for r in results]
+    return out
+
+
+def _ckpt_dir(out_dir: str, it: int) -> Path:
+    return Path(out_dir) / "checkpoints" / f"iter_{it:05d}"
+
+
+def _latest(out_dir: str, world: int) -> int | None:
+    base = Path(out_dir) / "checkpoints"
+    done = [int(p.name[5:]) for p in base.glob("iter_*")
+            if all((p / f"rank{r}.pt").exists() for r in range(world))] if base.exists() else []
+    return max(done) if done else None
+
+
+def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]],
+              out_dir: str | None, checkpoint_every: int, resume: bool, progress: bool,
+              stop_after: int | None, timeline_serial: bool) -> dict[str, Any]:
+    from .checkpoint import load_worker, save_worker
+    from .iteration import PPOWorker
+
+    torch.manual_seed(cfg.models.seed)
+    worker = PPOWorker(cfg)
+    start = 0
+    history: list[dict[str, float]] = []
+    if resume and out_dir is not None:
+        last = _latest(out_dir, world)
+        if last is not None:
+            history = load_worker(worker, _ckpt_dir(out_dir, last) / f"rank{rank}.pt")
+            start = last
+    lead = rank == 0
+    log = None
+    if lead and out_dir is not None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+        log = open(Path(out_dir) / "metrics.jsonl", "a" if start else "w")  # noqa: SIM115
+    bar = None
+    if lead and progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=cfg.iterations, initial=start, desc="PPO iterations", unit="it",
+                   file=sys.stderr, dynamic_ncols=True)
+    timelines = []
+    end = cfg.iterations if stop_after is None else min(cfg.iterations, stop_after)
+    t_run = time.perf_counter()
+    for it in range(start, end):
+        res = worker.iteration(prompts_for(prompt_ids, it, cfg.generation.prompts_per_iteration))
+        row = {"iteration": it, **res.metrics}
+        history.append(row)
+        timelines.append(res.timeline)
+        if lead:
+            if log is not None:
+                log.write(json.dumps(_jsonl(row, cfg)) + "\n")
+                log.flush()
+            if bar is not None:
+                bar.update(1)
+                bar.write(summary_row(it, res.metrics))
+        if out_dir is not None and checkpoint_every and (it + 1) % checkpoint_every == 0:
+            path = _ckpt_dir(out_dir, it + 1)
+            path.mkdir(parents=True, exist_ok=True)
+            save_worker(worker, path / f"rank{rank}.pt", history)
+    run_s = time.perf_counter() - t_run
+    if bar is not None:
+        bar.close()
+    if log is not None:
+        log.close()
+    serial_timeline = None
+    if timeline_serial and end > start:
+        worker.set_fusion(inter=False, intra=False)
+        it = end
+        res = worker.iteration(prompts_for(prompt_ids, it, cfg.generation.prompts_per_iteration))
+        serial_timeline = res.timeline
+    state = worker.canonical_state()
+    experiences = res.experiences if end > start else []
+    worker.close()
+    return {"history": history, "state": state, "timelines": timelines, "seconds": run_s,
+            "serial_timeline": serial_timeline, "rt_history": worker.rt_planner.history,
+            "experiences": experiences if rank == 0 else None}
+
+
+def _jsonl(row: dict[str, float], cfg: RLHFConfig) -> dict[str, Any]:
+    """The documented metrics.jsonl fields first, then every metric under its TRL name."""
+    return {
+        "iteration": row["iteration"],
+        "reward_mean": row["objective/scores"],
+        "kl": row["objective/kl"],
+        "samples": cfg.generation.prompts_per_iteration,
+        "seconds": row["time/iteration"],
+        "gen_s": row["time/generation"],
+        "inf_s": row["time/inference"],
+        "train_s": row["time/training"],
+        "sync_s": row["time/weight_sync"],
+        "fused": {"inter": cfg.fusion.inter, "intra": cfg.fusion.intra},
+        **{k: v for k, v in row.items() if k != "iteration"},
+    }
+
+
+Callback = Callable[[int, dict[str, float]], None]
