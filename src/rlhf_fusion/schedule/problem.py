@@ -1,6 +1,6 @@
 """The fused pipeline problem: N stage groups shared by two (or more) pipelined models.
 
-Pure data and validation; no torch. The JSON form is the contract in DESIGN.md.
+Pure data and validation; no torch. The JSON form is the contract in docs/architecture.md.
 """
 
 from __future__ import annotations
