@@ -32,6 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlhf_fusion.launch import run_ranks
 from rlhf_fusion.runtime import (
     EmulatedStageRunner,
     PipelineComm,
@@ -43,9 +44,7 @@ from rlhf_fusion.runtime import (
     reference_step,
     split_micro_batches,
 )
-from rlhf_fusion.runtime.launch import run_ranks
 from rlhf_fusion.runtime.profile import problem_from_profiles, profile_runner
-from rlhf_fusion.runtime.testing import build_models, make_experience
 from rlhf_fusion.schedule import (
     Problem,
     Schedule,
@@ -54,6 +53,7 @@ from rlhf_fusion.schedule import (
     single_model_problem,
     solve,
 )
+from rlhf_fusion.testing import build_models, make_experience
 
 RESULTS = Path(__file__).resolve().parent / "results"
 

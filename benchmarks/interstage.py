@@ -33,12 +33,14 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _harness import cpu_model  # noqa: E402
 
+from rlhf_fusion.launch import run_ranks
 from rlhf_fusion.rollout.cli import plot_plan
-from rlhf_fusion.rollout.coordinator import RolloutConfig, TinyJob, launch, tiny_job_worker
+from rlhf_fusion.rollout.config import RolloutConfig
 from rlhf_fusion.rollout.planning import LengthDistribution, lognormal_quantile_lengths
 from rlhf_fusion.rollout.planning.presets import PRESETS
 from rlhf_fusion.rollout.planning.simulate import plan_migration
 from rlhf_fusion.rollout.types import SampleSpec
+from rlhf_fusion.testing import TinyJob, tiny_job_worker
 
 RESULTS = Path(__file__).resolve().parent / "results"
 
@@ -60,15 +62,14 @@ def calibrate(args: argparse.Namespace, actor: dict, scorer: dict, lengths: np.n
     """
     import torch
 
-    from rlhf_fusion.rollout.coordinator import _cfg
     from rlhf_fusion.rollout.inference import InferenceModels
-    from rlhf_fusion.rollout.models import build_causal_lm, build_value_model
     from rlhf_fusion.rollout.planning import ClusterModel
     from rlhf_fusion.rollout.reference import ReferenceBackend
     from rlhf_fusion.rollout.types import SampleResult
+    from rlhf_fusion.testing import build_causal_lm, build_value_model, model_config
 
     torch.set_num_threads(1)
-    acfg, aseed = _cfg(actor)
+    acfg, aseed = model_config(actor)
     backend = ReferenceBackend(build_causal_lm(acfg, aseed), max_batch_size=args.samples)
     rows, times = [], []
     sid = 0
@@ -85,7 +86,7 @@ def calibrate(args: argparse.Namespace, actor: dict, scorer: dict, lengths: np.n
         list(backend.results())
     coef, *_ = np.linalg.lstsq(np.array(rows), np.array(times), rcond=None)
     base, per_sample, per_kv = (max(float(c), 0.0) for c in coef)
-    scfg, sseed = _cfg(dict(scorer, seed=2))
+    scfg, sseed = model_config(dict(scorer, seed=2))
     inf = InferenceModels(build_causal_lm(scfg, sseed), build_value_model(scfg, sseed + 1),
                           build_value_model(scfg, sseed + 2), micro_batch=args.micro_batch)
     fake = [SampleResult(i, (1,) * args.prompt_len, (2,) * int(n), (0.0,) * int(n), "length")
@@ -162,7 +163,8 @@ def measure(args: argparse.Namespace) -> dict:
                   ref=dict(scorer, seed=2), reward=dict(scorer, seed=3),
                   critic=dict(scorer, seed=4), bs_max=args.samples, micro_batch=args.micro_batch)
     t0 = time.perf_counter()
-    out = launch(tiny_job_worker, 2, job, timeout_s=300)
+    out = [r.value for r in run_ranks(tiny_job_worker, 2, job, collective_timeout=300,
+                                      timeout=3600)]
     total = time.perf_counter() - t0
     runs = out[0]
     walls: dict[str, list[float]] = {n: [] for n in names}
@@ -210,7 +212,8 @@ def simulate(args: argparse.Namespace) -> dict:
     plan = plan_migration(dist, preset.cluster, preset.batch_size, trials=args.sim_trials,
                           seed=args.seed, progress=True)
     png = RESULTS / "interstage_rt_sweep.png"
-    plot_plan(plan, png, title=f"simulated R_t sweep: {args.preset}")
+    if not args.no_write:
+        plot_plan(plan, png, title=f"simulated R_t sweep: {args.preset}")
     return {"preset": args.preset, "description": preset.description,
             "cluster": preset.cluster.to_dict(), "batch_size": preset.batch_size,
             "lengths": {"median": preset.median_len, "sigma": preset.sigma,

@@ -1,7 +1,7 @@
 """Paged decode attention: the Triton kernel and the torch fallback against a naive gather + SDPA.
 
 ``test_kernel_*`` tests run the Triton kernel: on CUDA when present, else in one child process
-under ``TRITON_INTERPRET=1`` (see ``rlhf_fusion.triton_kernels.testing``).
+under ``TRITON_INTERPRET=1`` (see ``rlhf_fusion.testing.kernels``).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import importlib
 import pytest
 import torch
 
+from rlhf_fusion.testing import InterpreterChild, in_interpreter_child
 from rlhf_fusion.triton_kernels import (
     ATTENTION_NAME,
     decode_attention,
@@ -19,7 +20,6 @@ from rlhf_fusion.triton_kernels import (
     decode_attention_triton,
     register_transformers_attention,
 )
-from rlhf_fusion.triton_kernels.testing import InterpreterChild, in_interpreter_child
 
 _DA = importlib.import_module("rlhf_fusion.triton_kernels.decode_attention")
 _CHILD = InterpreterChild(__file__, select="kernel")
@@ -104,8 +104,7 @@ def test_torch_matches_reference(page, heads):
 def test_public_dispatch_cpu_uses_torch(monkeypatch):
     q, k, v, table, lens = make_cache([3, 7], q_heads=4, kv_heads=2, dim=16, page=4)
     monkeypatch.setattr(_DA, "decode_attention_triton", lambda *a, **k: 1 / 0)
-    out = decode_attention(q, k, v, table, lens, sm_scale=0.25)
-    assert out.shape == q.shape
+    check(decode_attention, q, k, v, table, lens)
 
 
 def test_compiled_kernel_rejects_cpu_tensors():
@@ -250,7 +249,6 @@ def test_kernel_int64_page_offsets(kernel_device):
     k_cache = pool_k.view(n_pages, page, hkv, dim)
     v_cache = pool_v.view(n_pages, page, hkv, dim)
     high = torch.arange(n_pages - 6, n_pages)  # these start past 2**31 elements
-    assert int(high[0]) * per_page >= 2**31
     gen = torch.Generator().manual_seed(0)
     for cache in (k_cache, v_cache):
         cache[high.to(kernel_device)] = torch.randn(6, page, hkv, dim, generator=gen).to(

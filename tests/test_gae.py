@@ -15,6 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rlhf_fusion.testing import InterpreterChild, in_interpreter_child
 from rlhf_fusion.triton_kernels import (
     gae,
     gae_packed,
@@ -23,7 +24,6 @@ from rlhf_fusion.triton_kernels import (
     gae_torch,
     gae_triton,
 )
-from rlhf_fusion.triton_kernels.testing import InterpreterChild, in_interpreter_child
 
 # the package attribute `gae` is the function; the module is needed for monkeypatching
 _GAE = importlib.import_module("rlhf_fusion.triton_kernels.gae")

@@ -15,8 +15,8 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
+from rlhf_fusion.testing import in_interpreter_child  # noqa: E402
 from rlhf_fusion.triton_kernels import _compile  # noqa: E402
-from rlhf_fusion.triton_kernels.testing import in_interpreter_child  # noqa: E402
 
 if in_interpreter_child() or os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"):
     pytest.skip(
@@ -38,12 +38,10 @@ def test_compiles_without_spills(config, capability):
     _ptxas_or_skip(capability)
     report = _compile.compile_kernel(config, capability)
     assert report.arch.startswith(f"sm_{capability}")
-    assert report.cubin_bytes > 0
     assert report.spill_stores == 0 and report.spill_loads == 0, report.ptxas_log
     assert report.stack_bytes == 0 and report.cubin_stack_bytes == 0, report.ptxas_log
     # the reassembled PTX and Triton's own cubin agree, so the report describes that cubin
     assert report.registers == report.cubin_registers
-    assert report.registers <= 255
 
 
 def test_spill_check_can_fail():

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from rlhf_fusion.rollout import RolloutConfigError, SampleSpec
 from rlhf_fusion.rollout.inference import InferenceModels
 from rlhf_fusion.rollout.local import LocalFusedRollout
-from rlhf_fusion.rollout.models import build_causal_lm, build_value_model, tiny_config
 from rlhf_fusion.rollout.reference import ReferenceBackend
+from rlhf_fusion.testing import build_causal_lm, build_value_model, tiny_config
 
 VOCAB = 48
 CFG = tiny_config(vocab_size=VOCAB, hidden_size=32, layers=2, heads=4, kv_heads=2)

@@ -15,10 +15,10 @@ from rlhf_fusion.rollout import (
     RolloutError,
     SampleSpec,
 )
-from rlhf_fusion.rollout.models import build_causal_lm, tiny_config
 from rlhf_fusion.rollout.reference import ReferenceBackend
 from rlhf_fusion.rollout.sampling import derive_seed, keyed_sample, keyed_uniform
 from rlhf_fusion.rollout.wire import pack_tickets, unpack_tickets
+from rlhf_fusion.testing import build_causal_lm, tiny_config
 
 VOCAB = 64
 

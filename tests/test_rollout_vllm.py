@@ -228,7 +228,7 @@ def test_missing_vllm_names_the_extra():
 @pytest.mark.gpu
 def test_real_vllm_engine_streams_and_migrates(tmp_path):
     pytest.importorskip("vllm")
-    from rlhf_fusion.rollout.models import build_causal_lm, tiny_config
+    from rlhf_fusion.testing import build_causal_lm, tiny_config
 
     model = build_causal_lm(tiny_config(vocab_size=512, hidden_size=64, layers=2), seed=0)
     model.save_pretrained(tmp_path / "tiny")

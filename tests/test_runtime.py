@@ -11,8 +11,8 @@ import torch
 
 pytest.importorskip("transformers")
 
-from rlhf_fusion.runtime.launch import run_ranks  # noqa: E402
-from rlhf_fusion.runtime.testing import (  # noqa: E402
+from rlhf_fusion.launch import run_ranks  # noqa: E402
+from rlhf_fusion.testing import (  # noqa: E402
     Case,
     exactness_worker,
     fault_worker,

@@ -15,11 +15,15 @@ pl = pytest.importorskip("lightning.pytorch")
 from torch.utils.data import DataLoader  # noqa: E402
 
 from rlhf_fusion.plugins import FusedPipelineStrategy, consolidate_checkpoint  # noqa: E402
-from rlhf_fusion.plugins.testing import ExperienceDataset, TinyPPOModule, full_state  # noqa: E402
 from rlhf_fusion.runtime.errors import PlanError  # noqa: E402
 from rlhf_fusion.runtime.fused import fused_problem  # noqa: E402
-from rlhf_fusion.runtime.testing import max_abs_diff  # noqa: E402
 from rlhf_fusion.schedule import solve  # noqa: E402
+from rlhf_fusion.testing import (  # noqa: E402
+    ExperienceDataset,
+    TinyPPOModule,
+    full_state,
+    max_abs_diff,
+)
 
 TOL = 1e-6
 ROWS, BATCH = 16, 8  # 2 batches per epoch

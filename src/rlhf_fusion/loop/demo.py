@@ -23,15 +23,15 @@ def demo_prompts() -> list[str]:
     return [x for x in text.splitlines() if x.strip()]
 
 
-def demo_config(*, iterations: int = 12, serial: bool = False, world_size: int = 2
+def demo_config(*, iterations: int = 16, serial: bool = False, world_size: int = 2
                 ) -> RLHFConfig:
     return RLHFConfig(
         models=ModelsConfig(actor={"family": "llama", "layers": 4, "hidden": 64},
                             reward="vowels", seed=0),
-        generation=GenerationConfig(prompts_per_iteration=32, max_new_tokens=192, seed=0,
+        generation=GenerationConfig(prompts_per_iteration=48, max_new_tokens=256, seed=0,
                                     bs_max=64),
         ppo=PPOLoopConfig(num_ppo_epochs=2, num_mini_batches=2, micro_batches=4,
-                          learning_rate=2e-3, kl_coef=0.02, gamma=1.0, lam=0.95),
+                          learning_rate=1e-3, kl_coef=0.05, gamma=1.0, lam=0.95),
         fusion=FusionConfig.off() if serial else FusionConfig(rt="auto", mechanism="kv"),
         world_size=world_size,
         iterations=iterations,
@@ -43,8 +43,9 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def run_demo(out_dir: str | Path = "rlhf-fusion-demo", *, iterations: int = 12,
+def run_demo(out_dir: str | Path = "rlhf-fusion-demo", *, iterations: int = 16,
              serial: bool = False, progress: bool = True) -> dict[str, Any]:
+    """Train, then write the pictures and the summary; returns the summary."""
     from .plot import reward_png, timeline_png
     from .run import train
 
@@ -55,7 +56,7 @@ def run_demo(out_dir: str | Path = "rlhf-fusion-demo", *, iterations: int = 12,
     print(f"rlhf-fusion demo: PPO on a tiny Llama actor/critic, {cfg.world_size} CPU processes, "
           f"{cfg.generation.prompts_per_iteration} prompts/iteration, {mode}")
     res = train(cfg, demo_prompts(), out_dir=out, progress=progress,
-                timeline_serial=not serial)
+                timeline_serial=not serial, keep_experiences=True)
     hist = res["history"]
     (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
     reward_png(hist, out / "reward.png")
@@ -63,7 +64,7 @@ def run_demo(out_dir: str | Path = "rlhf-fusion-demo", *, iterations: int = 12,
     if res.get("serial_timeline"):
         runs.append(("serial (same models, one more iteration)", res["serial_timeline"]))
     timeline_png(runs, cfg.world_size, out / "timeline.png")
-    lengths = [len(e.response_ids) for e in res["experiences"] or []]
+    lengths = [len(e.response_ids) for batch in res["experience_log"] for e in batch]
     first = [h["objective/scores"] for h in hist[:3]]
     last = [h["objective/scores"] for h in hist[-3:]]
     samples = cfg.generation.prompts_per_iteration * len(hist)
@@ -79,7 +80,7 @@ def run_demo(out_dir: str | Path = "rlhf-fusion-demo", *, iterations: int = 12,
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print()
     if lengths:
-        print(f"response lengths (last iteration): p50 {summary['length_p50']}, p99 "
+        print(f"response lengths over the run: p50 {summary['length_p50']}, p99 "
               f"{summary['length_p99']} ({summary['length_p99'] / max(1, summary['length_p50']):.1f}"
               f"x the median), max {summary['length_max']}")
     print(f"reward: first 3 iterations {summary['reward_first3']:.3f} -> last 3 "

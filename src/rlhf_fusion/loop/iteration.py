@@ -17,9 +17,10 @@ is the exactness reference of the distributed ones.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,14 @@ from .config import RLHFConfig
 from .models import Models, build_models
 from .reallocate import broadcast_parameters, full_state, minimum_bytes, ownership, shapes_of
 from .rt import RtPlanner, TimedBackend, timed_scoring
+
+
+class LoopStageError(RuntimeError):
+    """A stage of an iteration failed on this rank; the message names the rank and the stage."""
+
+
+# Tests only: called with (stage, rank, iteration) as each stage starts, to inject faults.
+_stage_hook: Callable[[str, int, int], None] | None = None
 
 
 def ppo_config(cfg: RLHFConfig) -> PPOConfig:
@@ -238,21 +247,37 @@ class PPOWorker:
         return trl_training_metrics(means)
 
     # -- the iteration ---------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _stage(self, name: str) -> Iterator[None]:
+        if _stage_hook is not None:
+            _stage_hook(name, self.rank, self.iteration_index)
+        try:
+            yield
+        except LoopStageError:
+            raise
+        except Exception as exc:
+            raise LoopStageError(
+                f"rank {self.rank} of {self.world}: {name} of iteration {self.iteration_index} "
+                f"failed: {type(exc).__name__}: {exc}") from exc
+
     def iteration(self, prompts: Sequence[Sequence[int]]) -> IterationResult:
         it = self.iteration_index
         t0 = time.perf_counter()
-        self.backend.wake_up()
-        realloc = self.sync_weights()
+        with self._stage("weight sync"):
+            self.backend.wake_up()
+            realloc = self.sync_weights()
         t1 = time.perf_counter()
         specs = self.specs(prompts, it)
         self.backend.reset_timing()
         self._scoring.clear()
-        exps, stats = self.rollout(specs)
-        self.backend.sleep()  # the generation copy's KV is freed while training runs
+        with self._stage("generation + inference"):
+            exps, stats = self.rollout(specs)
+            self.backend.sleep()  # the generation copy's KV is freed while training runs
         t2 = time.perf_counter()
         batch, metrics = self.batch(exps)
         t3 = time.perf_counter()
-        metrics.update(self.train(batch, it))
+        with self._stage("training"):
+            metrics.update(self.train(batch, it))
         t4 = time.perf_counter()
         self.rt_planner.observe([len(e.response_ids) for e in exps], self.backend, self._scoring,
                                 prompt_len=sum(len(p) for p in prompts) / max(len(prompts), 1))

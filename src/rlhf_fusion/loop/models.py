@@ -127,8 +127,10 @@ def value_model(src: ModelSource, vocab_size: int, seed: int = 0) -> CriticModel
 
 
 def vowel_fraction(prompt: str, response: str) -> float:
-    """The demo's rule-based reward: the fraction of response characters that are vowels."""
-    return sum(c in "aeiou" for c in response) / max(1, len(response))
+    """The demo's rule-based reward: vowels per character of the response, with four
+    characters of prior (``vowels / (len + 4)``) so that a one-letter answer is not a perfect
+    score and PPO learns what to write rather than to stop."""
+    return sum(c in "aeiou" for c in response) / (len(response) + 4)
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {"vowels": vowel_fraction}

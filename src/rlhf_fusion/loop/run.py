@@ -52,8 +52,11 @@ def summary_row(it: int, m: dict[str, float]) -> str:
 def train(cfg: RLHFConfig, prompts: Sequence[str], *, out_dir: str | Path | None = None,
           checkpoint_every: int = 0, resume: bool = False, progress: bool = True,
           stop_after: int | None = None, timeline_serial: bool = False,
-          threads: int = 1) -> dict[str, Any]:
-    """Run ``cfg.iterations`` PPO iterations; returns rank 0's history and final state."""
+          keep_experiences: bool = False, threads: int = 1) -> dict[str, Any]:
+    """Run ``cfg.iterations`` PPO iterations (``stop_after`` ends earlier, as a kill between
+    iterations would). Returns rank 0's ``history`` (metrics per iteration), ``timelines``,
+    ``seconds``, ``states`` (every rank's canonical parameters) and, with
+    ``keep_experiences``, every iteration's experience batch."""
     cfg.validate()
     if not prompts:
         raise LoopConfigError("prompts: the prompt set is empty")
@@ -66,9 +69,11 @@ def train(cfg: RLHFConfig, prompts: Sequence[str], *, out_dir: str | Path | None
         raise LoopConfigError(f"prompts: {len(empty)} prompts encode to no tokens (first: line "
                               f"{empty[0] + 1}); remove them")
     args = (cfg, prompt_ids, str(out_dir) if out_dir else None, checkpoint_every, resume,
-            progress, stop_after, timeline_serial)
+            progress, stop_after, timeline_serial, keep_experiences)
     if cfg.world_size == 1:
-        return rank_main(0, 1, *args)
+        out = rank_main(0, 1, *args)
+        out["states"] = [out["state"]]
+        return out
     from ..launch import run_ranks
 
     results = run_ranks(rank_main, cfg.world_size, *args, threads=threads,
@@ -92,7 +97,8 @@ def _latest(out_dir: str, world: int) -> int | None:
 
 def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]],
               out_dir: str | None, checkpoint_every: int, resume: bool, progress: bool,
-              stop_after: int | None, timeline_serial: bool) -> dict[str, Any]:
+              stop_after: int | None, timeline_serial: bool,
+              keep_experiences: bool = False) -> dict[str, Any]:
     from .checkpoint import load_worker, save_worker
     from .iteration import PPOWorker
 
@@ -117,6 +123,7 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
         bar = tqdm(total=cfg.iterations, initial=start, desc="PPO iterations", unit="it",
                    file=sys.stderr, dynamic_ncols=True)
     timelines = []
+    kept = []
     end = cfg.iterations if stop_after is None else min(cfg.iterations, stop_after)
     t_run = time.perf_counter()
     for it in range(start, end):
@@ -124,6 +131,8 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
         row = {"iteration": it, **res.metrics}
         history.append(row)
         timelines.append(res.timeline)
+        if keep_experiences and lead:
+            kept.append(res.experiences)
         if lead:
             if log is not None:
                 log.write(json.dumps(_jsonl(row, cfg)) + "\n")
@@ -151,7 +160,8 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
     worker.close()
     return {"history": history, "state": state, "timelines": timelines, "seconds": run_s,
             "serial_timeline": serial_timeline, "rt_history": worker.rt_planner.history,
-            "experiences": experiences if rank == 0 else None}
+            "experiences": experiences if rank == 0 else None,
+            "experience_log": kept if rank == 0 else None}
 
 
 def _jsonl(row: dict[str, float], cfg: RLHFConfig) -> dict[str, Any]:

@@ -1,5 +1,6 @@
 """Inter-stage fusion, rollout side: the GenerationBackend contract, the reference and vLLM
-backends, the migration planner (``rollout.planning``, torch-free) and the streaming coordinator.
+backends, the migration planner (``rollout.planning``, torch-free) and the streaming coordinator
+(``rollout.distributed``, configured by ``rollout.config``).
 
 Importing this package imports no torch; the torch-based parts load on first attribute access.
 """
@@ -29,9 +30,9 @@ _LAZY = {
     "VLLMBackend": ".vllm_backend",
     "Experience": ".inference",
     "InferenceModels": ".inference",
-    "RolloutConfig": ".coordinator",
-    "run_rollout": ".coordinator",
-    "launch": ".coordinator",
+    "RolloutConfig": ".config",
+    "check_rollout": ".config",
+    "run_rollout": ".distributed",
     "LocalFusedRollout": ".local",
 }
 

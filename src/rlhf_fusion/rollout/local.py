@@ -1,7 +1,7 @@
 """Inter-stage fusion over several backends in one process, and the rules shared with the
 distributed coordinator (sharding, trigger, reports, assembly).
 
-``LocalFusedRollout`` runs the same decisions as ``coordinator.run_rollout`` (same plan, same
+``LocalFusedRollout`` runs the same decisions as ``distributed.run_rollout`` (same plan, same
 wire encoding of tickets), with instances stepped round-robin instead of on separate ranks. It is
 what the property tests drive and what a single-process trainer can use with several engines.
 """

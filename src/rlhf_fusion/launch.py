@@ -1,9 +1,20 @@
-"""Run a function on several local processes with torch.distributed set up (tests, benchmarks).
+"""Run a function on several local processes with torch.distributed set up.
 
-Unlike ``torch.multiprocessing.spawn`` this never hangs and never loses a rank's outcome: every
-rank reports a :class:`RankResult` (its return value or its error), the parent enforces an
-overall deadline and terminates stragglers, so a fault-injection test can assert *how* each
-surviving rank failed.
+The one process launcher of the project: the runtime's and the rollout's multi-process tests,
+the benchmarks and the examples all spawn their gloo ranks through :func:`run_ranks`.
+
+Unlike ``torch.multiprocessing.spawn`` this never hangs and never loses a rank's outcome:
+
+* every rank reports a :class:`RankResult` (its return value, or its error and traceback);
+* a rank that dies without reporting (killed, crashed, ``os._exit``) is reported as
+  ``error_type="Died"`` with its exit code;
+* the parent enforces an overall deadline (``timeout``) and terminates stragglers, reported as
+  ``error_type="Deadline"``;
+* ``collective_timeout`` is the process group's timeout, so every collective and
+  point-to-point wait inside ``fn`` is bounded too;
+* ``threads`` sets torch's intra-op threads per rank (small machines: keep it at 1).
+
+So a fault-injection test can assert *how* each surviving rank failed.
 """
 
 from __future__ import annotations
@@ -33,9 +44,12 @@ class RankResult:
     error: str = ""
     traceback: str = ""
     seconds: float = 0.0  # wall time of fn on that rank
+    exitcode: int | None = None  # set when the process died without reporting
 
 
 class DistributedRunError(RuntimeError):
+    """Some rank failed; ``results`` holds every rank's :class:`RankResult`, in rank order."""
+
     def __init__(self, results: list[RankResult]):
         self.results = results
         bad = [r for r in results if not r.ok]
@@ -43,6 +57,11 @@ class DistributedRunError(RuntimeError):
             f"--- rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}" for r in bad
         )
         super().__init__(f"{len(bad)} of {len(results)} ranks failed:\n{detail}")
+
+    @property
+    def failed(self) -> dict[int, RankResult]:
+        """The failed ranks' results by rank."""
+        return {r.rank: r for r in self.results if not r.ok}
 
 
 def free_port() -> int:
@@ -62,7 +81,7 @@ def _worker(
     world: int,
     port: int,
     backend: str,
-    init_timeout: float,
+    collective_timeout: float,
     threads: int,
     fn: Callable[..., Any],
     args: tuple,
@@ -77,7 +96,7 @@ def _worker(
             init_method=f"tcp://127.0.0.1:{port}",
             rank=rank,
             world_size=world,
-            timeout=timedelta(seconds=init_timeout),
+            timeout=timedelta(seconds=collective_timeout),
         )
         value = fn(rank, world, *args)
         res = RankResult(rank, True, value, seconds=time.perf_counter() - t0)
@@ -113,7 +132,7 @@ def run_ranks(
     *args: Any,
     timeout: float = 300.0,
     backend: str = "gloo",
-    init_timeout: float = 60.0,
+    collective_timeout: float = 60.0,
     threads: int = 1,
     raise_on_error: bool = True,
     wait_for: Iterable[int] | None = None,
@@ -122,7 +141,10 @@ def run_ranks(
 
     ``fn`` must be importable (module level). Returns one :class:`RankResult` per rank; ranks
     that did not report within ``timeout`` seconds are terminated and reported as
-    ``error_type="Deadline"``. With ``raise_on_error`` any failure raises
+    ``error_type="Deadline"``; ranks that exited without reporting as ``error_type="Died"``
+    (with ``exitcode``). ``collective_timeout`` bounds every collective and point-to-point wait
+    inside ``fn`` (the process group's timeout); ``threads`` is torch's thread count per rank.
+    With ``raise_on_error`` any failure raises
     :class:`DistributedRunError` carrying every rank's outcome. ``wait_for`` limits the ranks
     whose report is awaited (fault tests: do not wait for a rank that was told to stall).
     """
@@ -133,7 +155,7 @@ def run_ranks(
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, backend, init_timeout, threads, fn, args, out),
+            args=(r, world_size, port, backend, collective_timeout, threads, fn, args, out),
             daemon=True,
         )
         for r in range(world_size)
@@ -155,7 +177,11 @@ def run_ranks(
             for r, p in enumerate(procs):
                 if r not in results and r not in died and not p.is_alive():
                     died[r] = RankResult(
-                        r, False, error_type="Died", error=f"exit code {p.exitcode}"
+                        r,
+                        False,
+                        error_type="Died",
+                        error=f"exit code {p.exitcode} without reporting",
+                        exitcode=p.exitcode,
                     )
             continue
         results[rank] = torch.load(io.BytesIO(payload), weights_only=False)

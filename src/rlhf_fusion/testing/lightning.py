@@ -1,6 +1,7 @@
-"""A tiny PPO LightningModule and experience dataset for the strategy tests and examples.
+"""A tiny PPO LightningModule and an experience dataset for the strategy's tests and examples.
 
-Importable by module path so spawned workers can unpickle them.
+Importable by module path so spawned workers can unpickle them. Importing this module imports
+Lightning (through ``rlhf_fusion.plugins``).
 """
 
 from __future__ import annotations
@@ -11,9 +12,10 @@ import torch
 from torch import Tensor
 from torch.utils.data import Dataset
 
+from ..plugins import FusedPPOModule
 from ..runtime.ppo import PPOConfig
-from ..runtime.testing import build_models, make_experience
-from .module import FusedPPOModule
+from .models import build_models
+from .pipeline import make_experience
 
 
 class ExperienceDataset(Dataset):
@@ -33,6 +35,8 @@ class ExperienceDataset(Dataset):
 
 
 class TinyPPOModule(FusedPPOModule):
+    """``FusedPPOModule`` over ``build_models(models, seed)`` (default: Llama 4 + 2 layers)."""
+
     def __init__(
         self,
         models: dict[str, tuple] | None = None,
@@ -54,4 +58,5 @@ class TinyPPOModule(FusedPPOModule):
 
 
 def full_state(module: torch.nn.Module) -> dict[str, Tensor]:
+    """A detached copy of ``module``'s state dict."""
     return {k: v.detach().clone() for k, v in module.state_dict().items()}

@@ -24,19 +24,19 @@ Critic models. Timeline of ``run_rollout`` on every rank, fused mode:
 
 Serial mode: generate the shard, wait for every rank to finish (inference cannot start before
 the last sample ends), score the own shard, assemble. Same models, same numbers.
+
+The configuration and its up-front checks live in ``rollout.config``. Any launcher that
+initialises the default process group works; ``rlhf_fusion.launch.run_ranks`` starts local
+gloo ranks (tests, benchmarks).
 """
 
 from __future__ import annotations
 
 import contextlib
-import os
 import pickle
-import socket
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any
 
@@ -44,22 +44,10 @@ import torch
 import torch.distributed as dist
 
 from .backend import GenerationBackend
+from .config import RolloutConfig, check_rollout
 from .inference import Experience, InferenceModels
-from .local import (
-    RolloutOutput,
-    assemble,
-    check_specs,
-    moving,
-    resolve_mode,
-    shard_of,
-    should_trigger,
-)
-from .planning.planner import (
-    MigrationAssignment,
-    assign_migration,
-    choose_mechanism,
-    validate_fusion,
-)
+from .local import RolloutOutput, assemble, moving, resolve_mode, shard_of, should_trigger
+from .planning.planner import MigrationAssignment, assign_migration, choose_mechanism
 from .types import (
     CoordinatorTimeout,
     MigrationError,
@@ -73,67 +61,15 @@ from .wire import header, pack_tickets, unpack_tickets
 
 _TAG_TICKETS = 1100  # +0 header, +1 ints, +2 floats
 _TAG_ACK = 1110
-FAULTS = ("kill_destination_during_migration", "kill_destination_while_streaming")
+
+FaultHook = Callable[[str, int], None]
+"""Tests only: called as ``hook(point, n)`` at ``"tickets_received"`` (a destination got a
+source's ticket header; ``n`` is the source rank) and ``"streaming_step"`` (a destination's
+``n``-th decode step after the migration); it may kill the process to simulate a fault."""
 
 
-@dataclass(frozen=True)
-class RolloutConfig:
-    """How one rollout runs. ``rt`` (samples) or ``rt_fraction`` (of the batch) sets R_t."""
-
-    fused: bool = True
-    rt: int | None = None
-    rt_fraction: float | None = None
-    m: int | None = None
-    mechanism: str = "kv"  # "kv", "tokens", or "auto" (planner rule from the two costs below)
-    bandwidth_bytes_s: float = 1e9
-    prefill_s_per_token: float = 1e-4
-    report_every: int = 4
-    timeout_s: float = 60.0
-    heartbeat_s: float = 0.25
-    kv_capacity_tokens: float | None = None
-    # Testing hook: make a rank fail at a chosen point ("kill_destination_during_migration").
-    inject_fault: str | None = None
-
-    def resolve_rt(self, batch_size: int) -> int:
-        if self.rt is not None and self.rt_fraction is not None:
-            raise RolloutConfigError("give rt or rt_fraction, not both")
-        if self.rt is not None:
-            return int(self.rt)
-        if self.rt_fraction is not None:
-            if not 0 < self.rt_fraction <= 1:
-                raise RolloutConfigError(
-                    f"rt_fraction={self.rt_fraction} is outside the batch; use a fraction in "
-                    "(0, 1], e.g. 0.2")
-            return max(1, round(self.rt_fraction * batch_size))
-        raise RolloutConfigError("fused rollout needs R_t: set rt (samples) or rt_fraction "
-                                 "(or run `rlhf-fusion plan-migration` to choose one)")
-
-    def validate(self) -> None:
-        if self.report_every < 1:
-            raise RolloutConfigError("report_every must be >= 1")
-        if self.timeout_s <= 0 or self.heartbeat_s <= 0 or self.heartbeat_s >= self.timeout_s:
-            raise RolloutConfigError("need 0 < heartbeat_s < timeout_s")
-        if self.mechanism not in ("kv", "tokens", "auto"):
-            raise RolloutConfigError(f"mechanism={self.mechanism!r}; use 'kv', 'tokens' or 'auto'")
-        if self.inject_fault is not None and self.inject_fault not in FAULTS:
-            raise RolloutConfigError(f"inject_fault={self.inject_fault!r}; known: {FAULTS}")
-
-
-def check_rollout(specs: Sequence[SampleSpec], config: RolloutConfig, world_size: int,
-                  bs_max: int) -> int | None:
-    """Validate a rollout before any process starts; returns m (None when serial).
-
-    ``run_rollout`` runs the same checks on every rank; call this first to fail in the parent.
-    """
-    config.validate()
-    check_specs(specs)
-    if not config.fused:
-        return None
-    rt = config.resolve_rt(len(specs))
-    return validate_fusion(
-        batch_size=len(specs), instances=world_size, rt=rt, bs_max=bs_max,
-        longest_kv_tokens=max(len(s.prompt_ids) + s.max_new_tokens for s in specs),
-        kv_capacity_tokens=config.kv_capacity_tokens, m=config.m)
+def _no_fault(point: str, n: int) -> None:
+    pass
 
 
 _run_counter = 0
@@ -142,12 +78,13 @@ _run_counter = 0
 class _Rank:
     """Per-call state and the messaging helpers, each bounded by the timeout."""
 
-    def __init__(self, config: RolloutConfig, store: Any) -> None:
+    def __init__(self, config: RolloutConfig, store: Any, fault: FaultHook) -> None:
         global _run_counter
         _run_counter += 1
         self.rank = dist.get_rank()
         self.world = dist.get_world_size()
         self.cfg = config
+        self.fault = fault
         self.timeout = timedelta(seconds=config.timeout_s)
         self.store = store
         self.prefix = f"rlhf_fusion/rollout/{_run_counter}/"
@@ -207,18 +144,23 @@ def run_rollout(
     *,
     bs_max: int | None = None,
     store: Any = None,
+    _faults: FaultHook | None = None,
 ) -> RolloutOutput:
     """One generation + inference stage on every rank of the default process group.
 
     Every rank passes the same ``specs`` and ``config``; each generates the samples with
     ``sample_id % world_size == rank`` first. Returns the whole batch, sorted, on every rank.
+    ``store`` defaults to the default group's c10d store. ``_faults`` is for fault-injection
+    tests only (see :data:`FaultHook`).
     """
     if not dist.is_initialized():
-        raise RolloutConfigError("run_rollout needs torch.distributed initialised (see launch())")
+        raise RolloutConfigError(
+            "run_rollout needs torch.distributed initialised (rlhf_fusion.launch.run_ranks "
+            "starts local ranks)")
     bs_max = bs_max if bs_max is not None else getattr(backend, "max_batch_size", 1 << 30)
     # Identical inputs on every rank: a bad configuration fails everywhere, before any wait.
     m = check_rollout(specs, config, dist.get_world_size(), bs_max)
-    r = _Rank(config, store if store is not None else _default_store())
+    r = _Rank(config, store if store is not None else _default_store(), _faults or _no_fault)
     ids = [s.sample_id for s in specs]
     rt = config.resolve_rt(len(specs)) if config.fused else None
     kv_ok = backend.capabilities.kv_export and backend.capabilities.kv_import
@@ -339,8 +281,7 @@ def _migrate(r: _Rank, backend: GenerationBackend, plan: MigrationAssignment,
             hdr = torch.zeros(4, dtype=torch.int64)
             r.wait(dist.irecv(hdr, src, tag=_TAG_TICKETS), "receiving migrated samples",
                    src, MigrationError)
-            if r.cfg.inject_fault == "kill_destination_during_migration":
-                os._exit(17)
+            r.fault("tickets_received", src)
             _, n, n_int, n_flt = hdr.tolist()
             ints = torch.zeros(n_int, dtype=torch.int64)
             floats = torch.zeros(n_flt, dtype=torch.float64)
@@ -388,8 +329,7 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
             results.extend(finished)
             push(finished)
             steps += 1
-            if r.cfg.inject_fault == "kill_destination_while_streaming" and steps == 5:
-                os._exit(18)
+            r.fault("streaming_step", steps)
             now = time.perf_counter()
             if now - last_hb >= r.cfg.heartbeat_s:
                 store.add(hb, 1)
@@ -444,172 +384,3 @@ def _check_heartbeats(r: _Rank, plan: MigrationAssignment,
                 f"{now - since:.1f}s (timeout {r.cfg.timeout_s:g}s) while rank {r.rank} waited "
                 f"for its streamed samples; rank {d} died or hung"
             )
-
-
-# -- launching processes ------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, timeout_s: float,
-           threads: int, args: tuple, q: Any) -> None:
-    os.environ["MASTER_ADDR"] = "127.0.0.1"
-    os.environ["MASTER_PORT"] = str(port)
-    torch.set_num_threads(threads)
-    ok = False
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=timedelta(seconds=timeout_s))
-        out = fn(rank, world, *args)
-        q.put((rank, "ok", pickle.dumps(out)))
-        ok = True
-    except BaseException as exc:  # report everything, including KeyboardInterrupt in a child
-        q.put((rank, "error", f"{type(exc).__name__}: {exc}", traceback.format_exc()))
-    finally:
-        q.close()
-        q.join_thread()
-        if ok:
-            try:
-                dist.destroy_process_group()
-            except Exception:
-                pass
-    # A dead peer can leave gloo threads that block interpreter shutdown: leave at once.
-    os._exit(0 if ok else 1)
-
-
-@dataclass
-class LaunchError(RolloutError):
-    """One or more ranks failed; ``errors`` maps rank to its message."""
-
-    errors: dict[int, str] = field(default_factory=dict)
-
-    def __str__(self) -> str:
-        return "; ".join(f"rank {k}: {v}" for k, v in sorted(self.errors.items()))
-
-
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120.0,
-           threads_per_rank: int = 1, join_timeout_s: float | None = None) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks; their returns.
-
-    ``fn`` must be importable (module level). ``timeout_s`` bounds every collective and
-    point-to-point wait inside. Raises ``LaunchError`` listing every failed rank, including
-    ranks that died without reporting.
-    """
-    import multiprocessing as mp
-    import queue as queue_mod
-
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, rank, world_size, port, timeout_s,
-                                              threads_per_rank, args, q), daemon=True)
-             for rank in range(world_size)]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    errors: dict[int, str] = {}
-    dead_since: dict[int, float] = {}
-    deadline = None if join_timeout_s is None else time.monotonic() + join_timeout_s
-    while len(results) + len(errors) < world_size:
-        try:
-            item = q.get(timeout=0.2)
-            if item[1] == "ok":
-                results[item[0]] = pickle.loads(item[2])
-            else:
-                errors[item[0]] = item[2] + "\n" + item[3]
-            continue
-        except queue_mod.Empty:
-            pass
-        now = time.monotonic()
-        for rank, p in enumerate(procs):
-            if rank in results or rank in errors or p.is_alive():
-                continue
-            # Give a just-exited rank a moment for its report to arrive before calling it dead.
-            if now - dead_since.setdefault(rank, now) > 2.0:
-                errors[rank] = f"exited with code {p.exitcode} without reporting"
-        if deadline is not None and now > deadline:
-            for rank in range(world_size):
-                if rank not in results and rank not in errors:
-                    errors[rank] = f"still running after {join_timeout_s}s; killed"
-            break
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-    if errors:
-        raise LaunchError(errors=errors)
-    return [results[i] for i in range(world_size)]
-
-
-# -- a self-contained job on tiny models (tests, benchmarks, examples) ---------------------------
-
-
-@dataclass
-class TinyJob:
-    """Everything a rank needs to build its models and run one or more rollouts.
-
-    Model entries are ``tiny_config`` keyword arguments plus ``"seed"``; every rank builds
-    identical weights from them.
-    """
-
-    specs: list[SampleSpec]
-    configs: list[RolloutConfig]
-    actor: dict = field(default_factory=dict)
-    ref: dict | None = None
-    reward: dict | None = None
-    critic: dict | None = None
-    bs_max: int = 32
-    kv_capacity_tokens: int | None = None
-    micro_batch: int = 8
-    warmup: bool = True
-    return_outputs: bool = True
-
-
-def _cfg(entry: dict) -> tuple[Any, int]:
-    from .models import tiny_config
-
-    kw = dict(entry)
-    seed = int(kw.pop("seed", 0))
-    return tiny_config(**kw), seed
-
-
-def tiny_job_worker(rank: int, world: int, job: TinyJob) -> list[dict[str, Any]]:
-    """Build the backend and the inference models on this rank, run ``job.configs`` in order.
-
-    Returns, per config, the rank's wall time (from a common barrier to the assembled batch)
-    and, on rank 0 with ``return_outputs``, the output.
-    """
-    from .models import build_causal_lm, build_value_model
-    from .reference import ReferenceBackend
-
-    acfg, aseed = _cfg(job.actor)
-    backend = ReferenceBackend(build_causal_lm(acfg, aseed), instance_id=rank,
-                               max_batch_size=job.bs_max,
-                               kv_capacity_tokens=job.kv_capacity_tokens)
-    inference = None
-    if job.ref is not None and job.reward is not None and job.critic is not None:
-        rc, rs = _cfg(job.ref)
-        wc, ws = _cfg(job.reward)
-        cc, cs = _cfg(job.critic)
-        inference = InferenceModels(build_causal_lm(rc, rs), build_value_model(wc, ws),
-                                    build_value_model(cc, cs), micro_batch=job.micro_batch)
-    if job.warmup:  # first-call overheads (allocator, kernels) stay out of the measurements
-        warm = [replace(s, sample_id=i, max_new_tokens=min(s.max_new_tokens, 4))
-                for i, s in enumerate(job.specs[:2])]
-        backend.submit(warm)
-        wres = list(backend.results())
-        if inference is not None:
-            inference.score(wres)
-    out = []
-    for cfg in job.configs:
-        dist.barrier()
-        t = time.perf_counter()
-        res = run_rollout(backend, inference, job.specs, cfg, bs_max=job.bs_max)
-        wall = time.perf_counter() - t
-        out.append({"wall_s": wall, "stats": res.stats,
-                    "output": res if (rank == 0 and job.return_outputs) else None})
-    return out

@@ -1,6 +1,8 @@
-"""Tiny models, synthetic PPO experience and exactness cases shared by the tests, the benchmark
-and the example. Worker functions live here (not in test files) so spawned processes can
-import them by module path."""
+"""The fused PPO pipeline under test: synthetic experience, exactness cases, rank workers.
+
+Worker functions live here (not in test files) so spawned processes can import them by module
+path (``rlhf_fusion.launch.run_ranks`` pickles them by reference).
+"""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .fused import (
+from ..runtime.fused import (
     canonical_state_dict,
     default_loss_fns,
     fused_problem,
@@ -22,57 +24,9 @@ from .fused import (
     reference_step,
     setup_rank,
 )
-from .microbatch import split_micro_batches
-from .partition import CriticModel
-from .ppo import PPOConfig
-
-VOCAB = 96
-
-
-def tiny_config(family: str, layers: int, hidden: int = 32, *, tie: bool | None = None):  # noqa: ANN201
-    """A tiny transformers config: ``family`` in {"llama", "qwen2", "gpt2"}; dropout off."""
-    import transformers
-
-    if family == "gpt2":
-        return transformers.GPT2Config(
-            vocab_size=VOCAB,
-            n_embd=hidden,
-            n_layer=layers,
-            n_head=4,
-            n_positions=128,
-            resid_pdrop=0.0,
-            embd_pdrop=0.0,
-            attn_pdrop=0.0,
-        )
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config}[family]
-    return cls(
-        vocab_size=VOCAB,
-        hidden_size=hidden,
-        intermediate_size=2 * hidden,
-        num_hidden_layers=layers,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        tie_word_embeddings=bool(tie),
-    )
-
-
-def build_models(spec: Mapping[str, Any], seed: int = 0) -> dict[str, nn.Module]:
-    """``spec = {"actor": (family, layers[, hidden, tie]), "critic": (...)}``."""
-    import transformers
-
-    out: dict[str, nn.Module] = {}
-    for i, role in enumerate(("actor", "critic")):
-        family, layers, *rest = spec[role]
-        hidden = rest[0] if rest else 32
-        tie = rest[1] if len(rest) > 1 else None
-        cfg = tiny_config(family, layers, hidden, tie=tie)
-        torch.manual_seed(seed + i)
-        if role == "actor":
-            out[role] = transformers.AutoModelForCausalLM.from_config(cfg).float()
-        else:
-            out[role] = CriticModel.from_config(cfg).float()
-    return out
+from ..runtime.microbatch import split_micro_batches
+from ..runtime.ppo import PPOConfig
+from .models import VOCAB, build_models
 
 
 def make_experience(
@@ -255,7 +209,7 @@ def fault_worker(rank: int, world: int, mode: str, victim: int, timeout: float) 
     every other rank reports how, and how fast, the next step failed."""
     import os
 
-    from .errors import PipelineError
+    from ..runtime.errors import PipelineError
 
     case = fault_case()
     models = build_models(case.models, case.seed)

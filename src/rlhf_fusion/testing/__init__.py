@@ -1,0 +1,73 @@
+"""Test support shipped with the package (as ``torch.testing``): tiny models, synthetic PPO
+experience, exactness cases and rank workers, a tiny Lightning module, a tiny distributed
+rollout with fault injection, and the Triton-interpreter runner for kernel tests.
+
+The project's tests, benchmarks and examples use it; so can code built on rlhf-fusion.
+Everything a spawned rank runs is defined at module level, so ``rlhf_fusion.launch.run_ranks``
+can pickle it by reference.
+
+=========================  ===================================================================
+submodule                  what
+=========================  ===================================================================
+``testing.models``         ``tiny_config``, ``build_causal_lm``, ``build_value_model``,
+                           ``build_models`` (never downloaded; same seed, same weights)
+``testing.pipeline``       ``make_experience``, ``Case``, ``run_reference``,
+                           ``exactness_worker``, ``fault_worker``, ``max_abs_diff``, ...
+``testing.lightning``      ``TinyPPOModule``, ``ExperienceDataset``, ``full_state``
+                           (imports Lightning)
+``testing.rollout``        ``TinyJob``, ``tiny_job_worker``, the injectable ``FAULTS``
+``testing.kernels``        ``InterpreterChild``, ``in_interpreter_child`` (no torch import)
+=========================  ===================================================================
+
+``import rlhf_fusion.testing`` imports nothing heavy; each name below loads its submodule on
+first access.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY = {
+    # models
+    "VOCAB": ".models",
+    "tiny_config": ".models",
+    "build_causal_lm": ".models",
+    "build_value_model": ".models",
+    "build_models": ".models",
+    # the fused PPO pipeline
+    "Case": ".pipeline",
+    "make_experience": ".pipeline",
+    "run_reference": ".pipeline",
+    "exactness_worker": ".pipeline",
+    "merge_states": ".pipeline",
+    "max_abs_diff": ".pipeline",
+    "clone_models": ".pipeline",
+    "fault_case": ".pipeline",
+    "fault_worker": ".pipeline",
+    # Lightning
+    "ExperienceDataset": ".lightning",
+    "TinyPPOModule": ".lightning",
+    "full_state": ".lightning",
+    # rollout
+    "TinyJob": ".rollout",
+    "tiny_job_worker": ".rollout",
+    "model_config": ".rollout",
+    "FAULTS": ".rollout",
+    # Triton kernels
+    "CHILD_ENV": ".kernels",
+    "InterpreterChild": ".kernels",
+    "in_interpreter_child": ".kernels",
+}
+
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(list(globals()) + __all__)

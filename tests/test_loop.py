@@ -1,0 +1,197 @@
+"""The RLHF loop end to end: fused vs serial vs one device, faults, resume, config errors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from rlhf_fusion.launch import DistributedRunError  # noqa: E402
+from rlhf_fusion.loop import (  # noqa: E402
+    FusionConfig,
+    GenerationConfig,
+    LoopConfigError,
+    ModelsConfig,
+    PPOLoopConfig,
+    RLHFConfig,
+    train,
+)
+from rlhf_fusion.loop import advantages as adv  # noqa: E402
+from rlhf_fusion.loop.demo import demo_prompts  # noqa: E402
+from rlhf_fusion.loop.run import prompts_for  # noqa: E402
+from rlhf_fusion.rollout.inference import Experience  # noqa: E402
+from rlhf_fusion.triton_kernels import gae_reference  # noqa: E402
+
+ITERATIONS = 3
+
+
+def tiny(world: int = 2, *, inter: bool = True, intra: bool = True, mechanism: str = "kv",
+         critic_stages: int | None = None, rt: str | float = "auto", **kw) -> RLHFConfig:
+    return RLHFConfig(
+        models=ModelsConfig(actor={"family": "llama", "layers": 4, "hidden": 32}, seed=3),
+        generation=GenerationConfig(prompts_per_iteration=16, max_new_tokens=40, seed=5),
+        ppo=PPOLoopConfig(num_ppo_epochs=2, num_mini_batches=2, micro_batches=2,
+                          learning_rate=3e-3, kl_coef=0.05),
+        fusion=FusionConfig(inter=inter, intra=intra, rt=rt, mechanism=mechanism,
+                            critic_stages=critic_stages, solver="greedy", timeout_s=60.0),
+        world_size=world, iterations=ITERATIONS, **kw)
+
+
+def run(cfg: RLHFConfig, **kw) -> dict:
+    return train(cfg, demo_prompts(), progress=False, keep_experiences=True, **kw)
+
+
+def merged(res: dict) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for st in res["states"]:
+        for k, v in st.items():
+            assert k not in out, f"{k} saved by two ranks"
+            out[k] = v
+    return out
+
+
+def assert_same_run(a: dict, b: dict, *, tol: float = 1e-6) -> None:
+    assert len(a["experience_log"]) == len(b["experience_log"]) == ITERATIONS
+    for it, (ea, eb) in enumerate(zip(a["experience_log"], b["experience_log"], strict=True)):
+        assert [e.sample_id for e in ea] == list(range(16)), f"iteration {it}: exactly once"
+        for x, y in zip(ea, eb, strict=True):
+            assert x.response_ids == y.response_ids, f"iteration {it} sample {x.sample_id}"
+            for field in ("logprobs", "ref_logprobs", "values"):
+                d = (getattr(x, field) - getattr(y, field)).abs().max().item()
+                assert d <= tol, (it, x.sample_id, field, d)
+            assert abs(x.reward - y.reward) <= tol
+    sa, sb = merged(a), merged(b)
+    assert sa.keys() == sb.keys()
+    worst = max((sa[k] - sb[k]).abs().max().item() for k in sa)
+    assert worst <= tol, worst
+    # Training moved the weights: the equality above is not the initial state twice.
+    assert a["history"][-1]["objective/kl"] > 0
+
+
+@pytest.fixture(scope="module")
+def one_device():
+    return run(tiny(1, inter=False, intra=False))
+
+
+@pytest.fixture(scope="module")
+def serial2():
+    return run(tiny(2, inter=False, intra=False))
+
+
+def test_fused_equals_serial_equals_one_device(one_device, serial2):
+    fused = run(tiny(2))
+    assert_same_run(fused, serial2)
+    assert_same_run(fused, one_device)
+    # Inter-stage fusion ran: migration triggered at R_t in every iteration.
+    assert all(h["fusion/rt"] >= 1 for h in fused["history"])
+    assert fused["history"][0]["realloc/bytes"] == fused["history"][0]["realloc/min_bytes"] > 0
+
+
+def test_tokens_mechanism_and_fixed_rt_equal_serial(serial2):
+    assert_same_run(run(tiny(2, mechanism="tokens", rt=0.5)), serial2)
+
+
+@pytest.mark.slow
+def test_four_ranks_and_two_critic_copies_equal_one_device(one_device):
+    assert_same_run(run(tiny(4, critic_stages=2)), one_device)
+    assert_same_run(run(tiny(4, mechanism="tokens", intra=False)), one_device)
+
+
+def test_prompts_cycle_through_the_dataset():
+    ids = [[i + 2] for i in range(5)]
+    assert prompts_for(ids, 0, 3) == [[2], [3], [4]]
+    assert prompts_for(ids, 1, 3) == [[5], [6], [2]]
+
+
+def test_resume_after_a_kill_between_iterations_is_exact(tmp_path, serial2):
+    cfg = tiny(2, inter=False, intra=False)
+    run(cfg, out_dir=tmp_path, checkpoint_every=1, stop_after=2)
+    resumed = run(cfg, out_dir=tmp_path, checkpoint_every=1, resume=True)
+    assert [h["iteration"] for h in resumed["history"]] == [0, 1, 2]
+    sa, sb = merged(resumed), merged(serial2)
+    assert max((sa[k] - sb[k]).abs().max().item() for k in sa) == 0.0
+    assert resumed["history"][2]["objective/scores"] == serial2["history"][2]["objective/scores"]
+
+
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        (lambda c: c.models.__setattr__("actor", {"family": "bert"}), "unknown model family"),
+        (lambda c: c.fusion.__setattr__("rt", 40), "outside the batch"),
+        (lambda c: c.ppo.__setattr__("micro_batches", 3), "micro-batches"),
+        (lambda c: c.ppo.__setattr__("num_mini_batches", 5), "does not divide"),
+        (lambda c: c.fusion.__setattr__("mechanism", "rdma"), "fusion.mechanism"),
+    ],
+)
+def test_bad_config_is_rejected_before_any_process_starts(monkeypatch, change, match):
+    import rlhf_fusion.launch as launch
+
+    monkeypatch.setattr(launch, "run_ranks", lambda *a, **k: pytest.fail("a process started"))
+    cfg = tiny(2)
+    change(cfg)
+    with pytest.raises(LoopConfigError, match=match):
+        train(cfg, demo_prompts(), progress=False)
+
+
+def test_config_from_dict_names_unknown_keys():
+    with pytest.raises(LoopConfigError, match="unknown keys \\['lr'\\]"):
+        RLHFConfig.from_dict({"ppo": {"lr": 1}})
+    cfg = RLHFConfig.from_dict({"fusion": {"rt": 0.3}, "world_size": 2})
+    assert cfg.rt_samples(None) == round(0.3 * cfg.generation.prompts_per_iteration)
+
+
+def _die_in_training(stage: str, rank: int, iteration: int) -> None:
+    import os
+
+    if stage == "training" and rank == 1 and iteration == 1:
+        os._exit(3)
+
+
+def faulty_rank_main(rank, world, *args):
+    from rlhf_fusion.loop import iteration
+    from rlhf_fusion.loop.run import rank_main
+
+    iteration._stage_hook = _die_in_training
+    return rank_main(rank, world, *args)
+
+
+def test_a_rank_dying_mid_iteration_names_rank_and_stage():
+    from rlhf_fusion.launch import run_ranks
+
+    cfg = tiny(2, inter=False, intra=False)
+    cfg.fusion.timeout_s = 10.0
+    prompt_ids = [list(range(2, 6))] * 16
+    with pytest.raises(DistributedRunError) as info:
+        run_ranks(faulty_rank_main, 2, cfg, prompt_ids, None, 0, False, False, None, False,
+                  collective_timeout=10.0, timeout=120.0)
+    by_rank = {r.rank: r for r in info.value.results}
+    assert by_rank[1].error_type == "Died"
+    assert "rank 0 of 2: training of iteration 1 failed" in by_rank[0].error
+
+
+def _exp(sid: int, prompt: tuple, resp: tuple, reward: float) -> Experience:
+    g = len(resp)
+    lp = torch.linspace(-1, -2, g, dtype=torch.float64)
+    return Experience(sid, prompt, resp, "stop", lp, lp - 0.1, torch.arange(g) * 0.5, reward)
+
+
+def test_advantages_gae_and_layout_against_the_reverse_loop():
+    exps = [_exp(0, (5, 6, 7), (8, 9), 1.0), _exp(1, (5,), (8, 9, 10, 11), -1.0)]
+    rb = adv.response_batch(exps)
+    rewards = adv.token_rewards(rb, kl_coef=0.1, kl_mode="reward", estimator="k1")
+    # KL penalty on every token, the score on the last one only.
+    assert torch.allclose(rewards[0, :2], torch.tensor([-0.01, 1.0 - 0.01], dtype=torch.float64))
+    a, r = adv.advantages_and_returns(rb, rewards, gamma=0.9, lam=0.8, whiten_advantages=False)
+    ra, rr = gae_reference(rewards, rb.values, rb.mask, gamma=0.9, lam=0.8)
+    assert torch.allclose(a, ra.float(), atol=1e-6) and torch.allclose(r, rr.float(), atol=1e-6)
+    w = adv.whiten(a.double(), rb.mask)
+    valid = w[rb.mask]
+    assert abs(valid.mean().item()) < 1e-9 and math.isclose(valid.std().item(), 1.0, rel_tol=1e-6)
+    batch = adv.training_batch(exps, a, r, rb, pad_id=0)
+    assert batch["input_ids"].tolist() == [[5, 6, 7, 8, 9], [5, 8, 9, 10, 11]]
+    assert batch["action_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 1]]
+    assert batch["advantages"][1, 1:].tolist() == a[1].tolist()
+    assert batch["old_logprobs"][0, 3:].tolist() == rb.logprobs[0, :2].float().tolist()
