@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from rlhf_fusion.runtime.engine import clip_grad_norm_
 from rlhf_fusion.runtime.microbatch import split_micro_batches
 from rlhf_fusion.runtime.ppo import (
     PPOConfig,
@@ -119,3 +120,44 @@ def test_ppo_config_validation():
     with pytest.raises(ValueError, match="micro_batches"):
         PPOConfig(micro_batches=0)
     assert PPOConfig().to_dict()["clip_eps"] == 0.2
+
+
+def _params_with_grads(seed: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(7, 5), (5,), (3, 4, 2), (1,), (6, 6)]
+    params = []
+    for i, shape in enumerate(shapes):
+        p = torch.nn.Parameter(torch.randn(shape, generator=gen, dtype=dtype))
+        if i != 3:  # one parameter without a gradient: skipped by both
+            p.grad = torch.randn(shape, generator=gen, dtype=dtype) * (i + 1)
+        params.append(p)
+    return params
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("fraction", [0.0, 0.3, 0.9, 2.0, None])
+def test_clip_grad_norm_matches_torch(fraction, dtype):
+    """max_norm is a fraction of the true norm: below 1 clips, 2.0 does not, None only measures."""
+    ours = _params_with_grads(0, dtype)
+    theirs = _params_with_grads(0, dtype)
+    before = [None if p.grad is None else p.grad.clone() for p in ours]
+    true_norm = math.sqrt(sum(float(g.double().square().sum()) for g in before if g is not None))
+    max_norm = None if fraction is None else fraction * true_norm
+    norm = clip_grad_norm_(ours, max_norm)
+    # torch has no "measure only": an infinite max_norm never clips
+    want = torch.nn.utils.clip_grad_norm_(theirs, math.inf if max_norm is None else max_norm)
+    assert norm == pytest.approx(float(want), rel=1e-6, abs=1e-6)
+    for p, q, g0 in zip(ours, theirs, before, strict=True):
+        if g0 is None:
+            assert p.grad is None and q.grad is None
+            continue
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-6)
+        if fraction is None or fraction > 1:
+            assert torch.equal(p.grad, g0), (
+                "a norm within the limit must leave gradients as they are"
+            )
+    if fraction is not None and fraction < 1:
+        clipped = math.sqrt(
+            sum(float(p.grad.double().square().sum()) for p in ours if p.grad is not None)
+        )
+        assert clipped == pytest.approx(max_norm, rel=1e-5, abs=1e-6)

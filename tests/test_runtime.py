@@ -6,6 +6,8 @@ import of torch + transformers dominates the cost on a 2-core machine).
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -129,6 +131,30 @@ def test_four_ranks_match_unpipelined(results_4, index):
     _check(CASES_4[index], index, results_4)
 
 
+def _assert_grid_marks_the_wait(msg: str, rank: int, stream=None) -> None:
+    """Below its first line, the message shows the step x rank grid of the streams with
+    ``rank``'s failing instruction marked ``>x<``, and that instruction is the transfer the first
+    line names (and the ``step``-th of ``stream`` when given)."""
+    from rlhf_fusion.runtime.comm import Transfer
+    from rlhf_fusion.schedule import Action
+
+    first, _, grid = msg.partition("\n\n")
+    title = re.match(rf"rank {rank} failed at step (\d+) of its instruction stream \((\S+)\)", grid)
+    assert title, msg
+    step, action = int(title.group(1)), Action.parse(title.group(2))
+    header, *rows = grid.splitlines()[1:]
+    assert re.match(r"^ +rank 0 +rank 1$", header), grid
+    marked = [row for row in rows if re.search(r">\S+<", row)]
+    assert len(marked) == 1, grid
+    row = marked[0]
+    assert row.startswith(f"step {step}:"), grid
+    assert row.index(">") == header.index(f"rank {rank}") - 1, grid  # in rank's column
+    assert row[row.index(">") + 1 : row.index("<")] == str(action), grid
+    assert Transfer.of(action).describe() in first, msg
+    if stream is not None:
+        assert stream[step] == action, (step, action)
+
+
 @pytest.mark.parametrize("mode", ["stall", "die", "mismatch"])
 def test_faulty_peer_raises_within_timeout(mode):
     timeout = 2.0
@@ -147,7 +173,15 @@ def test_faulty_peer_raises_within_timeout(mode):
     if mode == "stall":
         assert out["error_type"] == "PipelineTimeoutError"
         assert "micro-batch" in msg and "stage" in msg, msg
+    # Where: the survivor's failing wait is marked in the step x rank grid of the plan's streams.
+    from rlhf_fusion.runtime.plan import PipelinePlan
+    from rlhf_fusion.schedule import solve
+    from rlhf_fusion.testing import fault_case
+
+    case = fault_case()
+    _assert_grid_marks_the_wait(msg, 0, PipelinePlan(solve(case.problem(), case.solver)).stream(0))
     if mode == "mismatch":
         # The victim itself sees the wrong micro-batch header first.
         assert res[1].ok and res[1].value["error_type"] == "PeerError", res[1]
         assert "do not match" in res[1].value["message"]
+        _assert_grid_marks_the_wait(res[1].value["message"], 1)

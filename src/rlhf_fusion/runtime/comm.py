@@ -11,7 +11,9 @@
   receiver to reach the matching instruction. The main thread only picks results up.
 * Every wait has a deadline. A wait that passes it raises :class:`PipelineTimeoutError` naming
   the rank, model, copy, stage and micro-batch; a transport failure (a dead peer closes its
-  sockets) raises :class:`PeerError` with the same details.
+  sockets) raises :class:`PeerError` with the same details. Both carry the :class:`Transfer`
+  they waited for (``exc.transfer``), so :class:`PipelineEngine` can mark the instruction in
+  the step x rank grid it appends to the message.
 """
 
 from __future__ import annotations
@@ -237,19 +239,24 @@ class PipelineComm:
             while t not in self._arrived:
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise PipelineTimeoutError(
+                    err = PipelineTimeoutError(
                         f"{self.where()} timed out after {self.timeout:g} s waiting for "
                         f"{t.describe()} from rank {src}; that rank stalled or died"
                     )
+                    err.transfer = t
+                    raise err
                 self._cond.wait(left)
             result = self._arrived.pop(t)
         if isinstance(result, BaseException):
             if isinstance(result, PeerError):
-                raise PeerError(f"{self.where()}: {result}") from result
-            raise PeerError(
-                f"{self.where()} lost the connection while receiving {t.describe()} from rank "
-                f"{src}: {result}"
-            ) from result
+                err = PeerError(f"{self.where()}: {result}")
+            else:
+                err = PeerError(
+                    f"{self.where()} lost the connection while receiving {t.describe()} from "
+                    f"rank {src}: {result}"
+                )
+            err.transfer = t
+            raise err from result
         return result
 
     def send(self, tensor: Tensor, a: Action) -> None:
@@ -296,8 +303,12 @@ class PipelineComm:
 
     def _finish_send(self, item: tuple[Transfer, int, list, tuple[Tensor, ...]]) -> None:
         t, dst, works, _ = item
-        for w in works:
-            self._wait(w, f"sending {t.describe()} to rank {dst}")
+        try:
+            for w in works:
+                self._wait(w, f"sending {t.describe()} to rank {dst}")
+        except PipelineError as exc:
+            exc.transfer = t  # the engine marks this send, not the instruction it was at
+            raise
 
     def flush_sends(self) -> None:
         while self._sends:

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from ..schedule import Action
-from .comm import PipelineComm
+from .comm import PipelineComm, Transfer
+from .errors import PipelineError, format_stream_grid
 from .partition import PipelineStage
 from .plan import PipelinePlan, Resident
 
@@ -243,56 +244,64 @@ class PipelineEngine:
         self.comm.post_receives(stream)
         inbox: dict[tuple[str, str, int, int], Tensor] = {}
         outbox: dict[tuple[str, str, int, int], Tensor] = {}
-        for i, a in enumerate(stream):
-            key = (a.model, a.copy, a.micro_batch)
-            if a.op == "RECV_F" or a.op == "RECV_B":
-                t0 = time.perf_counter()
-                inbox[(a.op[-1], *key)] = self.comm.recv(a)
-                if tr is not None:
-                    tr.events.append((str(a), t0, time.perf_counter()))
-            elif a.op == "F" or a.op == "B":
-                t0 = time.perf_counter()
-                runner = self.runners[a.model]
-                nxt = stream[i + 1] if i + 1 < len(stream) else None
-                announce = (
-                    self.announce
-                    and nxt is not None
-                    and nxt.op == "SEND_" + a.op
-                    and (nxt.model, nxt.copy, nxt.micro_batch) == key
-                )
-                if a.op == "F":
-                    mb = None
-                    if micro_batches is not None:
-                        mb = micro_batches[
-                            self.plan.global_micro_batch(a.model, a.copy, a.micro_batch)
-                        ]
-                    inp = inbox.pop(("F", *key), None)
-                    meta_fn = getattr(runner, "output_meta", None)
-                    meta = (
-                        meta_fn((a.copy, a.micro_batch), inp, mb) if announce and meta_fn else None
+        i = 0
+        try:
+            for i, a in enumerate(stream):
+                key = (a.model, a.copy, a.micro_batch)
+                if a.op == "RECV_F" or a.op == "RECV_B":
+                    t0 = time.perf_counter()
+                    inbox[(a.op[-1], *key)] = self.comm.recv(a)
+                    if tr is not None:
+                        tr.events.append((str(a), t0, time.perf_counter()))
+                elif a.op == "F" or a.op == "B":
+                    t0 = time.perf_counter()
+                    runner = self.runners[a.model]
+                    nxt = stream[i + 1] if i + 1 < len(stream) else None
+                    announce = (
+                        self.announce
+                        and nxt is not None
+                        and nxt.op == "SEND_" + a.op
+                        and (nxt.model, nxt.copy, nxt.micro_batch) == key
                     )
-                    if meta is not None:
-                        self.comm.send_header(nxt, *meta)  # type: ignore[arg-type]
-                    out = runner.forward((a.copy, a.micro_batch), inp, mb)
-                    if out is not None:
-                        outbox[("F", *key)] = out
-                else:
-                    meta_fn = getattr(runner, "grad_meta", None)
-                    meta = meta_fn((a.copy, a.micro_batch)) if announce and meta_fn else None
-                    if meta is not None:
-                        self.comm.send_header(nxt, *meta)  # type: ignore[arg-type]
-                    grad = inbox.pop(("B", *key), None)
-                    gin = runner.backward((a.copy, a.micro_batch), grad)
-                    if gin is not None and a.stage > 0:
-                        outbox[("B", *key)] = gin
-                if tr is not None:
-                    tr.events.append((str(a), t0, time.perf_counter()))
-            else:  # SEND_F / SEND_B
-                tensor = outbox.pop((a.op[-1], *key), None)
-                if tensor is None:
-                    raise RuntimeError(f"{self.comm.where()}: {a} has nothing to send")
-                self.comm.send(tensor, a)
-        self.comm.flush_sends()
+                    if a.op == "F":
+                        mb = None
+                        if micro_batches is not None:
+                            mb = micro_batches[
+                                self.plan.global_micro_batch(a.model, a.copy, a.micro_batch)
+                            ]
+                        inp = inbox.pop(("F", *key), None)
+                        meta_fn = getattr(runner, "output_meta", None)
+                        meta = (
+                            meta_fn((a.copy, a.micro_batch), inp, mb)
+                            if announce and meta_fn
+                            else None
+                        )
+                        if meta is not None:
+                            self.comm.send_header(nxt, *meta)  # type: ignore[arg-type]
+                        out = runner.forward((a.copy, a.micro_batch), inp, mb)
+                        if out is not None:
+                            outbox[("F", *key)] = out
+                    else:
+                        meta_fn = getattr(runner, "grad_meta", None)
+                        meta = meta_fn((a.copy, a.micro_batch)) if announce and meta_fn else None
+                        if meta is not None:
+                            self.comm.send_header(nxt, *meta)  # type: ignore[arg-type]
+                        grad = inbox.pop(("B", *key), None)
+                        gin = runner.backward((a.copy, a.micro_batch), grad)
+                        if gin is not None and a.stage > 0:
+                            outbox[("B", *key)] = gin
+                    if tr is not None:
+                        tr.events.append((str(a), t0, time.perf_counter()))
+                else:  # SEND_F / SEND_B
+                    tensor = outbox.pop((a.op[-1], *key), None)
+                    if tensor is None:
+                        raise RuntimeError(f"{self.comm.where()}: {a} has nothing to send")
+                    self.comm.send(tensor, a)
+            i = len(stream)  # past the last instruction: finishing the sends
+            self.comm.flush_sends()
+        except Exception as exc:
+            self._locate(exc, stream, i)
+            raise
         if inbox or outbox:
             raise RuntimeError(
                 f"{self.comm.where()}: stream left tensors unused: {sorted(inbox) + sorted(outbox)}"
@@ -301,6 +310,52 @@ class PipelineEngine:
             tr.end = time.perf_counter()
             self.last_trace = tr
         return tr
+
+    def _locate(self, exc: Exception, stream: Sequence[Action], step: int) -> None:
+        """Add the instruction streams around the failing instruction to ``exc``.
+
+        A :class:`PipelineError` gets the grid appended to its message (its first line, naming
+        the rank and what it waited for, is kept); any other exception gets it as a note, shown
+        in its traceback. The failing instruction is the one whose wait failed: the ``SEND``
+        of a send that did not complete, which may be earlier than the instruction the rank had
+        reached (``step``).
+        """
+        failed = step
+        transfer = getattr(exc, "transfer", None)
+        if transfer is not None:
+            here = stream[step] if step < len(stream) else None
+            if here is None or here.is_compute or Transfer.of(here) != transfer:
+                failed = next(
+                    (
+                        j
+                        for j, a in enumerate(stream)
+                        if a.op.startswith("SEND") and Transfer.of(a) == transfer
+                    ),
+                    step,
+                )
+        replica, _ = self.plan.coords(self.rank)
+        streams: dict[int, Sequence[Action]] = {
+            r: self.plan.stream(r)
+            for r in (self.plan.rank_of(replica, g) for g in range(self.plan.stage_groups))
+        }
+        streams[self.rank] = stream  # the stream actually run (a test may pass its own)
+        what = str(stream[failed]) if failed < len(stream) else "after its last instruction"
+        title = (
+            f"rank {self.rank} failed at step {failed} of its instruction stream ({what})"
+            + (
+                ""
+                if failed == step
+                else f", having reached step {step}"
+                if step < len(stream)
+                else ", while finishing its sends after the last step"
+            )
+            + f"; the streams of replica {replica} around it (>x< marks the failing spot):"
+        )
+        grid = f"{title}\n{format_stream_grid(streams, self.rank, failed)}"
+        if isinstance(exc, PipelineError):
+            exc.add_schedule(grid)
+        elif hasattr(exc, "add_note"):  # Python >= 3.11
+            exc.add_note(grid)
 
     # -- after the stream: gradients, norms, stats ------------------------------------------------
     def _stage(self, model: str) -> PipelineStage | None:

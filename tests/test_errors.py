@@ -1,0 +1,219 @@
+"""Errors that show where: the step x rank grid of instruction streams around a failure.
+
+``format_stream_grid`` is checked on exact strings; the engine is driven through a fake comm
+that fails a chosen wait, so what it appends to the error is checked without processes. The
+multi-process fault tests (``tests/test_runtime.py``) check the same grid on real failures.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_fusion.runtime.comm import Transfer
+from rlhf_fusion.runtime.engine import EmulatedStageRunner, PipelineEngine
+from rlhf_fusion.runtime.errors import (
+    PeerError,
+    PipelineError,
+    PipelineTimeoutError,
+    format_stream_grid,
+)
+from rlhf_fusion.runtime.fused import fused_problem, plan_from
+from rlhf_fusion.schedule import Action
+
+# --------------------------------------------------------------------------------------------
+# the formatter
+# --------------------------------------------------------------------------------------------
+
+
+def test_grid_window_marker_and_elisions():
+    streams = {
+        0: [f"a{i}" for i in range(11)],
+        1: [f"bb{i}" for i in range(6)],
+    }
+    got = format_stream_grid(streams, 1, 4, before=2, after=3)
+    assert got == (
+        "         rank 0   rank 1\n"
+        "...\n"
+        "step 2:  a2       bb2\n"
+        "step 3:  a3       bb3\n"
+        "step 4:  a4      >bb4<\n"
+        "step 5:  a5       bb5\n"
+        "step 6:  a6\n"
+        "step 7:  a7\n"
+        "..."
+    )
+
+
+def test_grid_default_window_whole_short_streams_and_rank_labels():
+    # ranks need not start at 0 (replica 1 of a 2-group plan is ranks 2 and 3)
+    streams = {3: ["actor0:1RECV_F0@0", "actor0:1F0"], 2: ["actor0:0F0", "actor0:0SEND_F0@1"]}
+    got = format_stream_grid(streams, 3, 0)
+    assert got == (
+        "         rank 2              rank 3\n"
+        "step 0:  actor0:0F0         >actor0:1RECV_F0@0<\n"
+        "step 1:  actor0:0SEND_F0@1   actor0:1F0"
+    )
+
+
+def test_grid_failure_after_the_last_instruction():
+    got = format_stream_grid({0: ["x", "y"], 2: ["F0", "SEND_F0@0", "B0"]}, 0, 2, before=3)
+    assert got == (
+        "         rank 0          rank 2\n"
+        "step 0:  x               F0\n"
+        "step 1:  y               SEND_F0@0\n"
+        "step 2: >end of stream<  B0"
+    )
+
+
+def test_grid_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="rank 5"):
+        format_stream_grid({0: ["x"]}, 5, 0)
+    with pytest.raises(ValueError, match=">= 0"):
+        format_stream_grid({0: ["x"]}, 0, -1)
+
+
+# --------------------------------------------------------------------------------------------
+# the engine adds the grid to the error
+# --------------------------------------------------------------------------------------------
+
+
+def _plan():
+    # rank 0: actor stage 0 + critic stage 1; rank 1: actor stage 1 + critic stage 0
+    return plan_from(fused_problem(stage_groups=2, micro_batches=2), solver="concatenated_1f1b")
+
+
+class FakeComm:
+    """The part of PipelineComm the engine uses; fails where the test says."""
+
+    def __init__(self, rank: int, *, recv_fail=None, send_fail=None, flush_fail=None):
+        self.rank = rank
+        self.recv_fail, self.send_fail, self.flush_fail = recv_fail, send_fail, flush_fail
+
+    def where(self) -> str:
+        return f"rank {self.rank} (replica 0, stage group {self.rank})"
+
+    def post_receives(self, stream) -> None:
+        pass
+
+    def recv(self, a: Action) -> torch.Tensor:
+        if str(a) == self.recv_fail:
+            err = PipelineTimeoutError(
+                f"{self.where()} timed out after 2 s waiting for {Transfer.of(a).describe()} "
+                "from rank 0; that rank stalled or died"
+            )
+            err.transfer = Transfer.of(a)
+            raise err
+        return torch.zeros(4, 16, 8)
+
+    def send_header(self, a, shape, dtype) -> None:
+        pass
+
+    def send(self, tensor, a: Action) -> None:
+        if self.send_fail is not None and str(a) == self.send_fail[0]:
+            # reclaiming an older send while starting this one: that older send failed
+            err = PipelineTimeoutError(f"{self.where()} timed out sending; a peer stalled")
+            err.transfer = Transfer.of(Action.parse(self.send_fail[1]))
+            raise err
+
+    def flush_sends(self) -> None:
+        if self.flush_fail is not None:
+            err = PeerError(f"{self.where()} failed sending: connection reset")
+            err.transfer = Transfer.of(Action.parse(self.flush_fail))
+            raise err
+
+
+def _engine(comm: FakeComm, plan=None, **kw) -> PipelineEngine:
+    plan = plan or _plan()
+    runners = {
+        "actor": EmulatedStageRunner(0.0, 0.0, is_first=comm.rank == 0, is_last=comm.rank == 1),
+        "critic": EmulatedStageRunner(0.0, 0.0, is_first=comm.rank == 1, is_last=comm.rank == 0),
+    }
+    return PipelineEngine(plan, comm, runners, **kw)  # type: ignore[arg-type]
+
+
+def test_receive_timeout_shows_the_streams_around_it():
+    engine = _engine(FakeComm(1, recv_fail="actor0:1RECV_F1@0"))
+    with pytest.raises(PipelineTimeoutError) as info:
+        engine.run(None)
+    msg = str(info.value)
+    first, rest = msg.split("\n\n", 1)
+    # the first line is what it was before the grid existed
+    assert first == (
+        "rank 1 (replica 0, stage group 1) timed out after 2 s waiting for actor copy 0 stage 1 "
+        "input activation of micro-batch 1 (from stage 0) from rank 0; that rank stalled or died"
+    )
+    assert rest == (
+        "rank 1 failed at step 4 of its instruction stream (actor0:1RECV_F1@0); the streams of "
+        "replica 0 around it (>x< marks the failing spot):\n"
+        "         rank 0              rank 1\n"
+        "...\n"
+        "step 1:  actor0:0SEND_F0@1   actor0:1F0\n"
+        "step 2:  actor0:0F1          actor0:1B0\n"
+        "step 3:  actor0:0SEND_F1@1   actor0:1SEND_B0@0\n"
+        "step 4:  actor0:0RECV_B0@1  >actor0:1RECV_F1@0<\n"
+        "step 5:  actor0:0B0          actor0:1F1\n"
+        "step 6:  actor0:0RECV_B1@1   actor0:1B1\n"
+        "step 7:  actor0:0B1          actor0:1SEND_B1@0\n"
+        "..."
+    )
+    assert info.value.schedule == rest
+
+
+def test_failed_send_is_marked_where_it_was_sent():
+    # Starting critic0:0SEND_F1@0 (step 11) reclaims critic0:0SEND_F0@0 (step 9), which failed.
+    comm = FakeComm(1, send_fail=("critic0:0SEND_F1@0", "critic0:0SEND_F0@0"))
+    with pytest.raises(PipelineTimeoutError) as info:
+        _engine(comm).run(None)
+    msg = str(info.value)
+    assert msg.startswith("rank 1 (replica 0, stage group 1) timed out sending; a peer stalled\n\n")
+    assert (
+        "rank 1 failed at step 9 of its instruction stream (critic0:0SEND_F0@0), having reached "
+        "step 11;" in msg
+    )
+    assert "\nstep 9:   critic0:1F0         >critic0:0SEND_F0@0<\n" in msg
+
+
+def test_failure_while_finishing_sends():
+    comm = FakeComm(1, flush_fail="critic0:0SEND_F1@0")
+    with pytest.raises(PeerError) as info:
+        _engine(comm).run(None)
+    msg = str(info.value)
+    assert (
+        "rank 1 failed at step 11 of its instruction stream (critic0:0SEND_F1@0), while finishing "
+        "its sends after the last step;" in msg
+    )
+    assert "\nstep 11:  critic0:1SEND_B0@1  >critic0:0SEND_F1@0<\n" in msg
+
+
+def test_grid_shows_the_stream_the_rank_actually_ran():
+    plan = _plan()
+    own = list(plan.stream(1))
+    own[0], own[4] = own[4], own[0]  # RECV_F1 first: this rank's stream differs from the plan's
+    with pytest.raises(PipelineTimeoutError) as info:
+        _engine(FakeComm(1, recv_fail="actor0:1RECV_F1@0"), plan).run(None, stream=own)
+    assert "\nstep 0:  actor0:0F0         >actor0:1RECV_F1@0<\n" in str(info.value)
+
+
+def test_other_exceptions_get_the_grid_as_a_note():
+    class Boom(EmulatedStageRunner):
+        def backward(self, key, grad):  # noqa: ANN001, ANN201
+            raise ValueError("out of memory")
+
+    engine = _engine(FakeComm(0))
+    engine.runners["actor"] = Boom(0.0, 0.0, is_first=True, is_last=False)
+    with pytest.raises(ValueError) as info:
+        engine.run(None)
+    assert str(info.value) == "out of memory"  # the message itself is left alone
+    if not hasattr(info.value, "add_note"):
+        pytest.skip("exception notes need Python 3.11")
+    (note,) = info.value.__notes__
+    assert note.startswith("rank 0 failed at step 5 of its instruction stream (actor0:0B0);")
+    assert "\nstep 5: >actor0:0B0<          actor0:1F1\n" in note
+
+
+def test_the_grid_is_appended_once():
+    err = PipelineError("first line")
+    err.add_schedule("grid A")
+    err.add_schedule("grid B")
+    assert str(err) == "first line\n\ngrid A"
