@@ -5,7 +5,8 @@ Importing this package registers the strategy with Lightning as ``strategy="fuse
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from .fused_pipeline import FusedPipelineStrategy, consolidate_checkpoint
+from .checkpoint import consolidate_checkpoint
+from .fused_pipeline import FusedPipelineStrategy
 from .launcher import FusedPipelineLauncher
 from .module import FusedPPOModule, log_ppo_stats
 

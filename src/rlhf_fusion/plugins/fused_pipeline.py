@@ -1,6 +1,9 @@
 """``FusedPipelineStrategy``: train a PPO Actor and Critic with one fused bidirectional pipeline.
 
-A sibling of Lightning's ``DDPStrategy``. With ``world = dp * N`` processes, every group of N
+A thin Lightning adapter over :mod:`rlhf_fusion.runtime.fused` (``partition_rank`` in
+``setup``, ``FusedRank.plan`` at the first training step, ``forward_backward`` and
+``optimizer_step`` in ``training_step``); sharded checkpoint files are in
+:mod:`.checkpoint`. A sibling of Lightning's ``DDPStrategy``. With ``world = dp * N`` processes, every group of N
 consecutive ranks runs one replica of the fused pipeline: Actor stage s on rank s, Critic stage
 s on rank N-1-s (or on the planner's placement when a model has several copies). The strategy
 
@@ -43,7 +46,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 
@@ -54,22 +57,26 @@ from ..runtime.checkpoint import (
     named_optimizer_state,
     param_names,
 )
-from ..runtime.comm import PipelineComm
-from ..runtime.engine import PipelineEngine, TrainStageRunner
 from ..runtime.errors import PlanError
-from ..runtime.fused import check_models_against_problem, fused_problem
+from ..runtime.fused import (
+    ROLES,
+    FusedRank,
+    check_models_against_problem,
+    forward_backward,
+    fused_problem,
+    optimizer_step,
+    partition_rank,
+)
 from ..runtime.microbatch import split_micro_batches
-from ..runtime.partition import PipelineStage, partition_
 from ..runtime.plan import PipelinePlan
-from ..runtime.profile import problem_from_profiles, profile_runner
-from ..schedule import Problem, Schedule, solve
+from ..schedule import Problem, Schedule
+from .checkpoint import load_shards, save_meta, save_shards
 from .launcher import FusedPipelineLauncher
-from .module import ROLES, log_ppo_stats
+from .module import log_ppo_stats
 
 log = logging.getLogger(__name__)
 
 CheckpointMode = Literal["auto", "gathered", "sharded"]
-_SHARD_META = "meta.pt"
 
 
 class FusedPipelineStrategy(ParallelStrategy):
@@ -157,20 +164,21 @@ class FusedPipelineStrategy(ParallelStrategy):
         self._gathered_max_params = gathered_max_params
         self._process_group_backend = process_group_backend
         self._start_method = start_method
-        # Set in setup():
-        self._structure: Problem | None = None
-        self._replicas = 1
-        self._stages: dict[str, PipelineStage] = {}
-        self._runners: dict[str, TrainStageRunner] = {}
-        self._engine: PipelineEngine | None = None
-        self._plan: PipelinePlan | None = None
+        self._reset_fit_state()
+
+    def _reset_fit_state(self) -> None:
+        """The state ``setup`` creates for a fit (and ``teardown`` drops)."""
+        # This rank's partitioned stages; its engine once the first step planned the schedule.
+        self._fused: FusedRank | None = None
+        # The unpartitioned module's layout: checkpoints are written in it.
         self._full_param_names: list[str] = []
         self._full_state_keys: list[str] = []
         self._aliases: dict[str, str] = {}
         self._num_params = 0
         self._model_sizes: dict[str, float] = {}
-        self._layout_plan: PipelinePlan | None = None
         self._accumulated = 0
+        # The gathered state dict at the end of a fit, for the launcher to hand back.
+        self._trained: dict[str, Tensor] | None = None
 
     # -- Lightning plumbing (as in DDPStrategy) ----------------------------------------------------
     @property
@@ -220,14 +228,27 @@ class FusedPipelineStrategy(ParallelStrategy):
     @property
     def schedule(self) -> Schedule | None:
         """The schedule being run (after the first training step when it is planned)."""
-        return self._plan.schedule if self._plan is not None else self._schedule
+        fused_schedule = self._fused.schedule if self._fused is not None else None
+        return fused_schedule if fused_schedule is not None else self._schedule
 
     @property
     def plan(self) -> PipelinePlan | None:
-        return self._plan
+        """The rank layout and instruction streams being run (after the first training step)."""
+        return self._fused.pipeline_plan if self._fused is not None else None
+
+    @property
+    def fused_rank(self) -> FusedRank | None:
+        """This rank's stages, runners and engine (between ``setup`` and ``teardown``)."""
+        return self._fused
 
     def _configure_launcher(self) -> None:
-        self._launcher = FusedPipelineLauncher(self, start_method=self._start_method)
+        self._launcher = FusedPipelineLauncher(
+            self,
+            start_method=self._start_method,
+            timeout=self._timeout,
+            preflight=self.preflight,
+            trained_weights=self.trained_weights,
+        )
 
     def setup_environment(self) -> None:
         super().setup_environment()
@@ -364,7 +385,6 @@ class FusedPipelineStrategy(ParallelStrategy):
 
     def _partition(self, module: pl.LightningModule) -> None:
         problem, replicas = self._layout(module)
-        self._structure, self._replicas = problem, replicas
         # Names of the unpartitioned module: checkpoints are written in this layout.
         self._full_param_names = [n for n, _ in module.named_parameters()]
         self._full_state_keys = list(module.state_dict().keys())
@@ -374,108 +394,109 @@ class FusedPipelineStrategy(ParallelStrategy):
             role: float(sum(p.numel() for p in getattr(module, role).parameters()))
             for role in ROLES
         }
-        group = self.global_rank % problem.stage_groups
-        for mi, _copy, stage in problem.residents(group):
-            spec = problem.models[mi]
-            model = getattr(module, spec.name)
-            st = partition_(
-                model, spec.name, stage, spec.pipeline_stages, self._layers.get(spec.name)
-            )
-            self._stages[spec.name] = st
-            loss_fn = module.actor_loss if spec.name == "actor" else module.critic_loss
-            self._runners[spec.name] = TrainStageRunner(st, loss_fn if st.is_last else None)
+        self._fused = partition_rank(
+            problem,
+            {role: getattr(module, role) for role in ROLES},
+            self.global_rank,
+            loss_fns={"actor": module.actor_loss, "critic": module.critic_loss},
+            layers=self._layers,
+            replicas=replicas,
+            device=self.root_device,
+        )
         log.debug(
-            "rank %d holds %s", self.global_rank, {k: v.stage for k, v in self._stages.items()}
+            "rank %d holds %s",
+            self.global_rank,
+            {k: v.stage for k, v in self._fused.stages.items()},
         )
 
-    def _build_pipeline(self, micro_batches: Sequence[Mapping[str, Tensor]]) -> None:
+    def _build_pipeline(
+        self, fused: FusedRank, micro_batches: Sequence[Mapping[str, Tensor]]
+    ) -> None:
         """Plan (profiling first unless a schedule was given), then create groups and engine.
 
         Collective over all ranks; runs at the first training step.
         """
-        assert self._structure is not None
-        structure = self._structure
-        if self._schedule is not None:
-            schedule = self._schedule
-        else:
-            prof = {
-                name: (
-                    st.stage,
-                    *profile_runner(
-                        self._runners[name],
-                        micro_batches,
-                        repeats=self._profile_repeats,
-                        device=self.root_device,
-                    ),
-                )
-                for name, st in self._stages.items()
-            }
-            profiles: list[Any] = [None] * self.world_size
-            dist.all_gather_object(profiles, prof)
-            box: list[Any] = [None]
-            if self.global_rank == 0:
-                spec = {m.name: m for m in structure.models}
-                problem = problem_from_profiles(
-                    profiles,
-                    stage_groups=structure.stage_groups,
-                    micro_batches=structure.models[0].copies * structure.models[0].micro_batches,
-                    actor_stages=spec["actor"].pipeline_stages,
-                    critic_stages=spec["critic"].pipeline_stages,
-                    activation={m.name: list(m.activation) for m in structure.models},
-                    sizes=self._model_sizes,
-                )
-                box[0] = _solve(problem, self._solver, self._solver_time_limit).to_dict()
-            dist.broadcast_object_list(box, src=0)
-            schedule = Schedule.from_dict(box[0])
-        plan = PipelinePlan(schedule, self._replicas)
+        schedule = fused.plan(
+            micro_batches,
+            schedule=self._schedule,
+            solver=self._solver,
+            time_limit=self._solver_time_limit,
+            profile_repeats=self._profile_repeats,
+            timeout=self._timeout,
+            device=self.root_device,
+            sizes=self._model_sizes,
+        )
         if self._schedule_out is not None and self.global_rank == 0:
             schedule.save(self._schedule_out)
-        comm = PipelineComm(plan, self.global_rank, timeout=self._timeout, device=self.root_device)
-        self._plan = plan
-        self._engine = PipelineEngine(plan, comm, self._runners)
         rank_zero_info(
             f"FusedPipelineStrategy: schedule from {schedule.solver}, predicted makespan "
             f"{schedule.makespan:.4g} (serial 1F1B "
             f"{schedule.baselines.get('serial_1f1b', {}).get('makespan', float('nan')):.4g})"
         )
 
+    def on_train_end(self) -> None:
+        # Collective, and only reached when the fit completed on every rank: gather the
+        # trained weights now, while the partition exists (teardown comes before the launcher
+        # collects results).
+        super().on_train_end()
+        if self._fused is None:
+            return
+        if self.checkpoint_mode == "gathered":
+            state = self.gathered_state_dict()  # every rank takes part; rank 0 gets it
+            self._trained = state if self.is_global_zero else None
+        else:
+            rank_zero_warn(
+                "FusedPipelineStrategy: sharded checkpoint mode does not copy the trained "
+                "weights back into the launching process; load them from a checkpoint"
+            )
+
+    def trained_weights(self) -> dict[str, Tensor] | None:
+        """The full state dict gathered at the end of the last fit (rank 0; ``None``
+        elsewhere, in sharded mode, or if the fit did not finish). Handed out once."""
+        out, self._trained = self._trained, None
+        return out
+
     def teardown(self) -> None:
-        if self._engine is not None:
-            self._engine.close()
-            self._engine = None
+        """Undo :meth:`setup`: close the engine and its process groups, drop the stages,
+        runners, plan and layout state, and reset gradient accumulation."""
+        trained = self._trained
+        if self._fused is not None:
+            self._fused.close()
+        self._reset_fit_state()
+        self._trained = trained  # the launcher collects it after teardown
         super().teardown()
 
     # -- the training step -------------------------------------------------------------------------
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
-        assert module is not None and self._structure is not None
+        fused = self._fused
+        assert module is not None and fused is not None
         batch = kwargs.get("batch", args[0] if args else None)
         cfg = getattr(module, "ppo_config", None)
         accumulate = int(getattr(cfg, "accumulate_batches", 1))
         max_norm = getattr(cfg, "max_grad_norm", None)
-        g = self._structure.models[0].copies * self._structure.models[0].micro_batches
-        mbs = split_micro_batches(batch, g)
+        mbs = split_micro_batches(batch, fused.micro_batches)
         with self.precision_plugin.train_step_context():
-            if self._engine is None:
-                self._build_pipeline(mbs)
-            assert self._engine is not None
-            self._engine.run(mbs, loss_denominator=float(g * self._replicas * accumulate))
+            if fused.engine is None:
+                self._build_pipeline(fused, mbs)
+            forward_backward(
+                fused,
+                mbs,
+                loss_denominator=float(fused.micro_batches * fused.replicas * accumulate),
+            )
         self._accumulated += 1
         norms = None
         if self._accumulated == accumulate:
             self._accumulated = 0
-            self._engine.sync_gradients()
-            norms = self._engine.clip_gradients({role: max_norm for role in ROLES})
-            for opt in module.optimizers():
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        stats = self._engine.reduced_stats()
+            norms = optimizer_step(fused, module.optimizers(), max_grad_norm=max_norm)
+        assert fused.engine is not None
+        stats = fused.engine.reduced_stats()
         stats = {role: {k: v * accumulate for k, v in st.items()} for role, st in stats.items()}
         log_ppo_stats(module, stats, norms, batch_size=int(batch["input_ids"].shape[0]))
         return torch.tensor(sum(st["loss"] for st in stats.values()))
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        if self._stages:
+        if self._fused is not None:
             raise MisconfigurationException(
                 "FusedPipelineStrategy pipelines training only; the models are partitioned "
                 "during fit, so validation_step cannot run. Set limit_val_batches=0 and "
@@ -515,32 +536,17 @@ class FusedPipelineStrategy(ParallelStrategy):
         return "gathered" if self._num_params <= self._gathered_max_params else "sharded"
 
     def _canonical(self, role: str) -> bool:
-        return self._plan_like().is_canonical(self.global_rank, role)
-
-    def _plan_like(self) -> PipelinePlan:
-        if self._plan is not None:
-            return self._plan
-        if self._layout_plan is None:
-            assert self._structure is not None
-            # Only the rank layout is needed before the first step: any valid order will do.
-            from ..schedule import concatenated_1f1b, validate
-
-            order = concatenated_1f1b(self._structure)
-            ev = validate(self._structure, order)
-            sched = Schedule(
-                self._structure, order, "layout", 0.0, ev.makespan, ev.peak_activation, 0.0
-            )
-            self._layout_plan = PipelinePlan(sched, self._replicas)
-        return self._layout_plan
+        assert self._fused is not None
+        return self._fused.is_canonical(role)
 
     def _owned_state(self) -> dict[str, Tensor]:
         """The entries of the module's state dict this rank contributes exactly once."""
         module = self.lightning_module
-        assert module is not None
+        assert module is not None and self._fused is not None
         out = {}
         for k, v in module.state_dict().items():
             role = k.split(".", 1)[0]
-            if role in self._stages:
+            if role in self._fused.stages:
                 if not self._canonical(role):
                     continue
             elif self.global_rank != 0:
@@ -550,7 +556,7 @@ class FusedPipelineStrategy(ParallelStrategy):
 
     def gathered_state_dict(self) -> dict[str, Tensor]:
         """The full, unpartitioned state dict on rank 0 ({} elsewhere). Collective."""
-        if not self._stages:
+        if self._fused is None:
             assert self.lightning_module is not None
             return self.lightning_module.state_dict()
         parts: list[Any] = [None] * self.world_size if self.global_rank == 0 else None
@@ -566,7 +572,7 @@ class FusedPipelineStrategy(ParallelStrategy):
         return {k: merged[k] for k in self._full_state_keys}
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if not self._stages:
+        if self._fused is None:
             return super().lightning_module_state_dict()
         if self.checkpoint_mode == "gathered":
             return self.gathered_state_dict()
@@ -580,7 +586,7 @@ class FusedPipelineStrategy(ParallelStrategy):
         raise ValueError("optimizer is not one of the strategy's optimizers")
 
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if not self._stages:
+        if self._fused is None:
             return super().optimizer_state(optimizer)
         module = self.lightning_module
         assert module is not None
@@ -599,43 +605,30 @@ class FusedPipelineStrategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
-        if not self._stages or self.checkpoint_mode == "gathered":
+        if self._fused is None or self.checkpoint_mode == "gathered":
             if self.is_global_zero:
                 self.checkpoint_io.save_checkpoint(
                     checkpoint, filepath, storage_options=storage_options
                 )
             return
         # Sharded: a directory with one file per (model, stage) written by its canonical holder,
-        # plus the rest of the Lightning checkpoint from rank 0.
+        # plus the rest of the Lightning checkpoint from rank 0 (see plugins/checkpoint.py).
         path = Path(filepath)
         if self.is_global_zero:
             path.mkdir(parents=True, exist_ok=True)
         self.barrier()
-        shards: dict[str, dict[str, Any]] = {}
-        for role, st in self._stages.items():
-            if not self._canonical(role):
-                continue
-            shards[role] = {
-                "state_dict": {
-                    k: v for k, v in checkpoint["state_dict"].items() if k.startswith(role + ".")
-                },
-                "optimizer": checkpoint["optimizer_states"][ROLES.index(role)],
-                "stage": st.stage,
-                "num_stages": st.num_stages,
-            }
-            torch.save(shards[role], path / f"{role}_stage{st.stage}.pt")
+        fused = self._fused
+        save_shards(
+            path,
+            checkpoint,
+            {
+                role: (st.stage, st.num_stages)
+                for role, st in fused.stages.items()
+                if self._canonical(role)
+            },
+        )
         if self.is_global_zero:
-            meta = {
-                k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")
-            }
-            meta["state_dict_rest"] = {
-                k: v for k, v in checkpoint["state_dict"].items() if k.split(".", 1)[0] not in ROLES
-            }
-            meta["fused_pipeline_layout"] = {
-                m.name: m.pipeline_stages
-                for m in (self._structure.models if self._structure else ())
-            }
-            torch.save(meta, path / _SHARD_META)
+            save_meta(path, checkpoint, {m.name: m.pipeline_stages for m in fused.problem.models})
 
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
@@ -643,22 +636,8 @@ class FusedPipelineStrategy(ParallelStrategy):
         path = Path(checkpoint_path)
         if not path.is_dir():
             return self.checkpoint_io.load_checkpoint(checkpoint_path, weights_only=False)
-        meta = torch.load(path / _SHARD_META, map_location="cpu", weights_only=False)
-        layout = meta.pop("fused_pipeline_layout", {})
-        state = dict(meta.pop("state_dict_rest", {}))
-        optimizer_states: list[Any] = [None, None]
-        for role, st in self._stages.items():
-            if layout.get(role) not in (None, st.num_stages):
-                raise PlanError(
-                    f"checkpoint {path}: {role} was saved with {layout[role]} pipeline stages, "
-                    f"this run uses {st.num_stages}; save a gathered checkpoint to change stages"
-                )
-            shard = torch.load(
-                path / f"{role}_stage{st.stage}.pt", map_location="cpu", weights_only=False
-            )
-            state.update(shard["state_dict"])
-            optimizer_states[ROLES.index(role)] = shard["optimizer"]
-        return {**meta, "state_dict": state, "optimizer_states": optimizer_states}
+        stages = self._fused.stages if self._fused is not None else {}
+        return load_shards(path, {role: (st.stage, st.num_stages) for role, st in stages.items()})
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
@@ -697,32 +676,3 @@ class FusedPipelineStrategy(ParallelStrategy):
             description="Fused bidirectional pipeline for PPO Actor + Critic (rlhf-fusion)",
             override=True,
         )
-
-
-def consolidate_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Merge a sharded checkpoint directory into one ordinary Lightning checkpoint dict.
-
-    The model weights are complete (every stage's file); optimizer states are left out
-    because their order depends on ``configure_optimizers``: resume sharded checkpoints with
-    the strategy, or load the returned ``state_dict`` into a fresh module.
-    """
-    path = Path(path)
-    if not (path / _SHARD_META).exists():
-        raise FileNotFoundError(f"{path}: not a sharded FusedPipelineStrategy checkpoint")
-    meta = torch.load(path / _SHARD_META, map_location="cpu", weights_only=False)
-    layout = meta.pop("fused_pipeline_layout", {})
-    state = dict(meta.pop("state_dict_rest", {}))
-    for role, stages in layout.items():
-        for s in range(stages):
-            shard = torch.load(path / f"{role}_stage{s}.pt", map_location="cpu", weights_only=False)
-            state.update(shard["state_dict"])
-    return {**meta, "state_dict": state}
-
-
-def _solve(problem: Problem, solver: str, time_limit: float) -> Schedule:
-    try:
-        return solve(problem, solver, time_limit=time_limit)
-    except ImportError:
-        # The heavier solvers are optional; greedy always exists.
-        rank_zero_info(f"solver {solver!r} unavailable; using greedy")
-        return solve(problem, "greedy", time_limit=time_limit)

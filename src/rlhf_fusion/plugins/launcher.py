@@ -1,10 +1,11 @@
 """Process launcher for :class:`FusedPipelineStrategy`.
 
-Lightning's spawn launcher, with two changes: the strategy's pre-flight check runs in the
-launching process before any worker exists (a schedule that does not fit the models fails in
-seconds, not after N processes imported torch), and the weights handed back to the launching
-process are the *gathered* unpartitioned state dict rather than rank 0's shard, so the user's
-module in the main process is fully trained after ``fit`` returns.
+Lightning's spawn launcher, with two changes, both given to its constructor: a pre-flight
+check runs in the launching process before any worker exists (a schedule that does not fit the
+models fails in seconds, not after N processes imported torch), and the weights handed back to
+the launching process come from a callable (the strategy's *gathered* unpartitioned state dict
+rather than rank 0's shard), so the user's module in the main process is fully trained after
+``fit`` returns.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import faulthandler
 import os
 import tempfile
+from collections.abc import Callable, Mapping
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -22,22 +24,46 @@ from lightning.pytorch.strategies.launchers.multiprocessing import (
     _WorkerOutput,
 )
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
 
 if TYPE_CHECKING:
     from .fused_pipeline import FusedPipelineStrategy
 
 
 class FusedPipelineLauncher(_MultiProcessingLauncher):
-    def __init__(self, strategy: FusedPipelineStrategy, start_method: str = "spawn") -> None:
+    """Spawns one worker per device for ``strategy``.
+
+    Args:
+        strategy: the strategy whose workers are launched (Lightning's launcher contract).
+        start_method: ``"spawn"``, ``"fork"`` or ``"forkserver"``.
+        timeout: seconds a worker waits for its peers before destroying the process group.
+        preflight: called with the LightningModule in the launching process before any
+            worker starts when fitting; raises to stop the launch.
+        trained_weights: called in every worker after ``fit``; rank 0's result (a full state
+            dict, or ``None`` for nothing) is loaded into the launching process's module.
+    """
+
+    def __init__(
+        self,
+        strategy: FusedPipelineStrategy,
+        *,
+        start_method: str = "spawn",
+        timeout: float = 300.0,
+        preflight: Callable[[pl.LightningModule], None] | None = None,
+        trained_weights: Callable[[], Mapping[str, Tensor] | None] | None = None,
+    ) -> None:
         super().__init__(strategy, start_method=start_method)  # type: ignore[arg-type]
+        self._timeout = float(timeout)
+        self._preflight = preflight
+        self._trained_weights = trained_weights
 
     def launch(
         self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any
     ) -> Any:
         module = next((a for a in args if isinstance(a, pl.LightningModule)), None)
-        if module is not None and trainer is not None and trainer.state.fn == TrainerFn.FITTING:
-            self._strategy.preflight(module)  # type: ignore[attr-defined]
+        fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        if self._preflight is not None and module is not None and fitting:
+            self._preflight(module)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
@@ -49,28 +75,20 @@ class FusedPipelineLauncher(_MultiProcessingLauncher):
             super()._wrapping_function(process_idx, *args, **kwargs)
             ok = True
         finally:
-            _shutdown_process_group(self._strategy._timeout, wait_for_peers=ok)  # type: ignore[attr-defined]
+            _shutdown_process_group(self._timeout, wait_for_peers=ok)
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
-        strategy: FusedPipelineStrategy = self._strategy  # type: ignore[assignment]
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None)
-        fitting = trainer.state.fn == TrainerFn.FITTING
         state_dict = None
-        if fitting:
-            if strategy.checkpoint_mode == "gathered":
-                state_dict = strategy.gathered_state_dict()  # collective: every rank calls it
-            else:
-                rank_zero_warn(
-                    "FusedPipelineStrategy: sharded checkpoint mode does not copy the trained "
-                    "weights back into the launching process; load them from a checkpoint"
-                )
-        if strategy.local_rank != 0:
+        if trainer.state.fn == TrainerFn.FITTING and self._trained_weights is not None:
+            state_dict = self._trained_weights()
+        if self._strategy.local_rank != 0:
             return None
         weights_path = None
         if state_dict is not None:
             weights_path = os.path.join(tempfile.mkdtemp(), ".temp.ckpt")
-            strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
+            self._strategy.checkpoint_io.save_checkpoint(state_dict, weights_path)
         extra = self.get_extra_results(trainer)
         return _WorkerOutput(best_model_path, weights_path, trainer.state, results, extra)
 

@@ -24,12 +24,9 @@ import lightning.pytorch as pl
 import torch
 from torch import Tensor, nn
 
-from ..runtime.engine import clip_grad_norm_, scale_loss
-from ..runtime.fused import model_outputs
+from ..runtime.fused import ROLES, reference_step
 from ..runtime.microbatch import split_micro_batches
 from ..runtime.ppo import PPOConfig, actor_ppo_loss, critic_ppo_loss
-
-ROLES = ("actor", "critic")
 
 
 def log_ppo_stats(
@@ -93,35 +90,36 @@ class FusedPPOModule(pl.LightningModule):
         ]
 
     # -- single-device reference path --------------------------------------------------------------
+    def loss_fns(self) -> dict[str, Any]:
+        """``{"actor": self.actor_loss, "critic": self.critic_loss}``."""
+        return {"actor": self.actor_loss, "critic": self.critic_loss}
+
     def training_step(self, batch: Mapping[str, Tensor], batch_idx: int) -> Tensor:
+        """One batch without the strategy: :func:`~rlhf_fusion.runtime.reference_step`, with
+        Lightning's ``manual_backward`` and ``ppo_config.accumulate_batches``."""
         cfg = self.ppo_config
         mbs = split_micro_batches(batch, cfg.micro_batches)
-        denom = float(len(mbs) * cfg.accumulate_batches)
-        stats: dict[str, dict[str, float]] = {}
+        self._accumulated += 1
+        boundary = self._accumulated == cfg.accumulate_batches
+        if boundary:
+            self._accumulated = 0
+        out = reference_step(
+            {role: getattr(self, role) for role in ROLES},
+            mbs,
+            self.optimizers(),
+            self.loss_fns(),
+            max_grad_norm=cfg.max_grad_norm,
+            loss_denominator=float(len(mbs) * cfg.accumulate_batches),
+            backward=self.manual_backward,
+            step=boundary,
+        )
+        # Per batch, as if it were the whole step (the denominator covers all batches).
+        stats = {
+            role: {k: v * cfg.accumulate_batches for k, v in st.items()}
+            for role, st in out["stats"].items()
+        }
+        log_ppo_stats(self, stats, out["grad_norm"], batch_size=int(batch["input_ids"].shape[0]))
         total = torch.zeros(())
         for role in ROLES:
-            model = getattr(self, role)
-            loss_fn = self.actor_loss if role == "actor" else self.critic_loss
-            acc: dict[str, Tensor] = {}
-            for mb in mbs:
-                loss, st = loss_fn(model_outputs(role, model, mb), mb)
-                self.manual_backward(scale_loss(loss, denom))
-                with torch.no_grad():
-                    for k, v in {"loss": loss, **st}.items():
-                        val = scale_loss(v.detach(), denom).double()
-                        acc[k] = acc[k] + val if k in acc else val
-            stats[role] = {k: float(v) * cfg.accumulate_batches for k, v in acc.items()}
             total = total + stats[role]["loss"]
-        norms = None
-        self._accumulated += 1
-        if self._accumulated == cfg.accumulate_batches:
-            self._accumulated = 0
-            norms = {
-                role: clip_grad_norm_(getattr(self, role).parameters(), cfg.max_grad_norm)
-                for role in ROLES
-            }
-            for opt in self.optimizers():
-                opt.step()
-                opt.zero_grad(set_to_none=True)
-        log_ppo_stats(self, stats, norms, batch_size=int(batch["input_ids"].shape[0]))
         return total

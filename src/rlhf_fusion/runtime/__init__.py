@@ -2,7 +2,9 @@
 
 Stage partitioning of Hugging Face decoders (:mod:`.partition`), PPO losses (:mod:`.ppo`),
 point-to-point transport with shape headers and timeouts (:mod:`.comm`), the stream executor
-(:mod:`.engine`) and the PPO glue (:mod:`.fused`). Gloo on CPU, NCCL on GPU.
+(:mod:`.engine`), the profiling pass that feeds the planner (:mod:`.profile`) and the one way to
+assemble a fused PPO step (:mod:`.fused`: ``partition_rank`` -> ``FusedRank.plan`` ->
+``forward_backward`` / ``optimizer_step``). Gloo on CPU, NCCL on GPU.
 """
 
 from .comm import PipelineComm, Transfer
@@ -17,16 +19,21 @@ from .engine import (
 )
 from .errors import PartitionError, PeerError, PipelineError, PipelineTimeoutError, PlanError
 from .fused import (
+    ROLES,
     FusedRank,
     canonical_state_dict,
     check_models_against_problem,
     default_loss_fns,
+    forward_backward,
     fused_problem,
     model_outputs,
+    optimizer_step,
+    partition_rank,
     pipelined_step,
     plan_from,
     reference_step,
     setup_rank,
+    solve_or_greedy,
 )
 from .microbatch import position_ids_from_mask, split_micro_batches
 from .partition import CriticModel, Dropped, PipelineStage, num_layers, partition_, split_layers
@@ -43,8 +50,10 @@ from .ppo import (
     value_loss,
     values_from_head,
 )
+from .profile import SavedTensorMeter, StageProfile, problem_from_profiles, profile_runner
 
 __all__ = [
+    "ROLES",
     "CriticModel",
     "Dropped",
     "EmulatedStageRunner",
@@ -60,6 +69,8 @@ __all__ = [
     "PipelineTimeoutError",
     "PlanError",
     "Resident",
+    "SavedTensorMeter",
+    "StageProfile",
     "StageRunner",
     "StepTrace",
     "TrainStageRunner",
@@ -70,6 +81,7 @@ __all__ = [
     "clip_grad_norm_",
     "critic_ppo_loss",
     "default_loss_fns",
+    "forward_backward",
     "fused_problem",
     "kl_estimate",
     "kl_penalized_rewards",
@@ -77,14 +89,19 @@ __all__ = [
     "masked_mean",
     "model_outputs",
     "num_layers",
+    "optimizer_step",
     "partition_",
+    "partition_rank",
     "pipelined_step",
     "plan_from",
     "policy_loss",
     "position_ids_from_mask",
+    "problem_from_profiles",
+    "profile_runner",
     "reference_step",
     "scale_loss",
     "setup_rank",
+    "solve_or_greedy",
     "split_layers",
     "split_micro_batches",
     "value_loss",
