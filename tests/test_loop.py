@@ -94,7 +94,6 @@ def test_tokens_mechanism_and_fixed_rt_equal_serial(serial2):
     assert_same_run(run(tiny(2, mechanism="tokens", rt=0.5)), serial2)
 
 
-@pytest.mark.slow
 def test_four_ranks_and_two_critic_copies_equal_one_device(one_device):
     assert_same_run(run(tiny(4, critic_stages=2)), one_device)
     assert_same_run(run(tiny(4, mechanism="tokens", intra=False)), one_device)
@@ -195,3 +194,60 @@ def test_advantages_gae_and_layout_against_the_reverse_loop():
     assert batch["action_mask"].tolist() == [[0, 0, 0, 1, 1], [0, 1, 1, 1, 1]]
     assert batch["advantages"][1, 1:].tolist() == a[1].tolist()
     assert batch["old_logprobs"][0, 3:].tolist() == rb.logprobs[0, :2].float().tolist()
+
+
+def save_tiny_hub_model(path) -> None:
+    """A tiny Llama and a character tokenizer saved as a Hub-style directory (built locally)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    chars = "abcdefghijklmnopqrstuvwxyz .,:?!'-"
+    vocab = {"<pad>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(chars)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(path)
+    torch.manual_seed(0)
+    LlamaForCausalLM(LlamaConfig(
+        vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+        tie_word_embeddings=False)).save_pretrained(path)
+
+
+def test_train_command_and_hub_example_on_a_local_model_dir(tmp_path):
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rlhf_fusion.cli import main
+
+    model = tmp_path / "tiny-model"
+    save_tiny_hub_model(model)
+    (tmp_path / "prompts.txt").write_text("the cat sings, go on:\na dog runs, answer:\n")
+    (tmp_path / "run.yaml").write_text(
+        f"world_size: 2\niterations: 2\nprompts: prompts.txt\nmodels: {{actor: {model}}}\n"
+        "generation: {prompts_per_iteration: 8, max_new_tokens: 16}\n"
+        "ppo: {micro_batches: 2}\nfusion: {solver: greedy, rt: 0.5}\n")
+    assert main(["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "run")]) == 0
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["iteration"] for r in rows] == [0, 1]
+    assert {"reward_mean", "kl", "samples", "seconds", "gen_s", "inf_s", "train_s",
+            "fused"} <= rows[0].keys()
+    assert (tmp_path / "run" / "checkpoints" / "iter_00002" / "rank1.pt").exists()
+    example = Path(__file__).resolve().parents[1] / "examples" / "ppo_hub.py"
+    out = subprocess.run(
+        [sys.executable, str(example), "--model", str(model), "--iterations", "1",
+         "--prompts-per-iteration", "8", "--max-new-tokens", "12", "--out",
+         str(tmp_path / "ex")], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert (tmp_path / "ex" / "metrics.jsonl").read_text().count("\n") == 1
+
+
+def test_bad_yaml_fails_with_the_field_named(tmp_path, capsys):
+    from rlhf_fusion.cli import main
+
+    (tmp_path / "bad.yaml").write_text("fusion: {rt: 2.5}\n")
+    assert main(["train", str(tmp_path / "bad.yaml")]) == 2
+    assert "fusion.rt" in capsys.readouterr().err

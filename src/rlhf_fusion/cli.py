@@ -136,7 +136,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("schedule", help="find a fused Actor/Critic pipeline schedule")
-    p.add_argument("problem", help="problem JSON (see DESIGN.md), or a schedule/table3 entry")
+    p.add_argument("problem", help="problem JSON (see docs/architecture.md), or a schedule/table3 entry")
     p.add_argument("--solver", default="auto", choices=SOLVERS)
     p.add_argument("--time-limit", type=float, default=60.0, help="seconds for the search")
     p.add_argument("--memory-capacity", type=float, default=None,

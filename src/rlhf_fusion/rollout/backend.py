@@ -1,4 +1,4 @@
-"""The GenerationBackend contract (DESIGN.md), as a typing Protocol. Imports no torch."""
+"""The GenerationBackend contract (docs/architecture.md), as a typing Protocol. Imports no torch."""
 
 from __future__ import annotations
 

@@ -34,14 +34,13 @@ from ..schedule import Problem, Schedule, solve
 from .comm import PipelineComm
 from .engine import PipelineEngine, TrainStageRunner, clip_grad_norm_, scale_loss
 from .errors import PlanError
-from .partition import PipelineStage, num_layers, partition_, split_layers
+from .partition import ROLES, PipelineStage, num_layers, partition_, split_layers
 from .plan import PipelinePlan
 from .ppo import PPOConfig, actor_ppo_loss, critic_ppo_loss
 
 log = logging.getLogger(__name__)
 
 #: The two models of the fused PPO step, in the order their optimizers are listed.
-ROLES = ("actor", "critic")
 
 
 def fused_problem(
