@@ -27,11 +27,24 @@ STAGES = (("time/weight_sync", "weight sync"), ("time/rollout", "generation + in
           ("time/advantages", "advantages"), ("time/training", "training"))
 
 
-def one(seed: int, fused: bool, iterations: int, world: int, batch: int) -> dict:
-    cfg = demo_config(iterations=iterations, serial=not fused, world_size=world)
+def workload(args: argparse.Namespace, seed: int, fused: bool):
+    """The demo's loop with PPO's usual model set: Actor, Ref (its copy), a Critic and a
+    Reward model of the Actor's size (``--reward-model``) rather than a rule."""
+    cfg = demo_config(iterations=args.iterations, serial=not fused, world_size=args.world)
+    arch = {"family": "llama", "layers": args.layers, "hidden": args.hidden}
+    cfg.models.actor = arch
+    if args.reward_model:
+        cfg.models.reward = arch
     cfg.models.seed = seed
     cfg.generation.seed = seed
-    cfg.generation.prompts_per_iteration = batch
+    cfg.generation.prompts_per_iteration = args.batch
+    cfg.ppo.micro_batches = args.micro_batches
+    return cfg
+
+
+def one(args: argparse.Namespace, seed: int, fused: bool) -> dict:
+    cfg = workload(args, seed, fused)
+    batch = args.batch
     t = time.perf_counter()
     res = train(cfg, demo_prompts(), progress=False, keep_experiences=True)
     wall = time.perf_counter() - t
@@ -88,13 +101,19 @@ def main() -> int:
     ap.add_argument("--iterations", type=int, default=6)
     ap.add_argument("--world", type=int, default=2)
     ap.add_argument("--batch", type=int, default=48)
+    ap.add_argument("--hidden", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--micro-batches", type=int, default=4,
+                    help="per PPO mini-batch (pipeline micro-batches per step)")
+    ap.add_argument("--reward-model", action="store_true",
+                    help="a reward model of the actor's size instead of the demo's rule")
     ap.add_argument("--no-write", action="store_true")
     args = ap.parse_args()
     rows = []
     for seed in args.seeds:
         row = {"seed": seed}
         for mode in ("serial", "fused"):
-            row[mode] = one(seed, mode == "fused", args.iterations, args.world, args.batch)
+            row[mode] = one(args, seed, mode == "fused")
             print(f"seed {seed} {mode:>6}: {row[mode]['samples_per_s']:.1f} samples/s",
                   file=sys.stderr)
         row["speedup"] = row["fused"]["samples_per_s"] / row["serial"]["samples_per_s"]
@@ -119,6 +138,8 @@ def main() -> int:
     payload = {"command": "python benchmarks/" + " ".join(Path(a).name if i == 0 else a
                                                         for i, a in enumerate(sys.argv)),
                "iterations": args.iterations, "world": args.world, "batch": args.batch,
+               "hidden": args.hidden, "layers": args.layers, "micro_batches": args.micro_batches,
+               "reward_model": args.reward_model,
                "rows": [{**r, "fused": {k: v for k, v in r["fused"].items() if k != "lengths"},
                          "serial": {k: v for k, v in r["serial"].items() if k != "lengths"}}
                         for r in rows]}

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..rollout.planning.lengths import LengthDistribution
 from ..runtime.fused import ROLES
 
 
@@ -23,25 +24,39 @@ def _modules(worker: Any) -> dict[str, torch.nn.Module]:
     return {role: st.module for role, st in worker.fused.stages.items()}
 
 
-def save_worker(worker: Any, path: str | Path, history: list[dict[str, float]]) -> None:
+def worker_state(worker: Any, history: list[dict[str, float]]) -> dict[str, Any]:
+    """This rank's share of the run (see the module docstring), as one picklable dict."""
     planner = worker.rt_planner
-    torch.save({
+    return {
         "iteration": worker.iteration_index,
         "world_size": worker.world,
         "rank": worker.rank,
         "models": {r: m.state_dict() for r, m in _modules(worker).items()},
         "optimizers": {r: o.state_dict() for r, o in worker.optimizers.items()},
-        "rt_planner": {"dist": planner.dist, "by_batch": dict(planner.by_batch),
+        # Plain lists only: Lightning loads checkpoints with torch.load(weights_only=True).
+        "rt_planner": {"dist": None if planner.dist is None else
+                       (planner.dist.lengths.tolist(), planner.dist.weights.tolist()),
+                       "by_batch": dict(planner.by_batch),
                        "scoring": planner.scoring, "current": planner.current,
                        "history": planner.history, "prompt_len": planner.prompt_len},
         "history": history,
-    }, path)
+    }
+
+
+def save_worker(worker: Any, path: str | Path, history: list[dict[str, float]]) -> None:
+    torch.save(worker_state(worker, history), path)
 
 
 def load_worker(worker: Any, path: str | Path) -> list[dict[str, float]]:
-    ck = torch.load(path, map_location="cpu", weights_only=False)
+    """Restore the share saved by :func:`save_worker`; returns the metric history."""
+    return load_worker_state(worker, torch.load(path, map_location="cpu", weights_only=False),
+                             str(path))
+
+
+def load_worker_state(worker: Any, ck: dict[str, Any], where: str = "checkpoint"
+                      ) -> list[dict[str, float]]:
     if ck["world_size"] != worker.world or ck["rank"] != worker.rank:
-        raise ValueError(f"checkpoint {path}: saved by rank {ck['rank']} of {ck['world_size']}; "
+        raise ValueError(f"{where}: saved by rank {ck['rank']} of {ck['world_size']}; "
                          f"this is rank {worker.rank} of {worker.world}: resume with the same "
                          "world_size")
     for role, module in _modules(worker).items():
@@ -50,7 +65,7 @@ def load_worker(worker: Any, path: str | Path) -> list[dict[str, float]]:
         opt.load_state_dict(ck["optimizers"][role])
     planner = worker.rt_planner
     st = ck["rt_planner"]
-    planner.dist = st["dist"]
+    planner.dist = None if st["dist"] is None else LengthDistribution(*st["dist"])
     planner.by_batch.clear()
     planner.by_batch.update(st["by_batch"])
     planner.scoring = list(st["scoring"])

@@ -263,18 +263,22 @@ class PPOWorker:
     def iteration(self, prompts: Sequence[Sequence[int]]) -> IterationResult:
         it = self.iteration_index
         t0 = time.perf_counter()
-        with self._stage("weight sync"):
+        # Generation and scoring keep their own precision (float64 by default) under a
+        # Trainer's mixed-precision context; only training runs under it.
+        no_autocast = torch.autocast(self.device.type, enabled=False)
+        with self._stage("weight sync"), no_autocast:
             self.backend.wake_up()
             realloc = self.sync_weights()
         t1 = time.perf_counter()
         specs = self.specs(prompts, it)
         self.backend.reset_timing()
         self._scoring.clear()
-        with self._stage("generation + inference"):
+        with self._stage("generation + inference"), no_autocast:
             exps, stats = self.rollout(specs)
             self.backend.sleep()  # the generation copy's KV is freed while training runs
         t2 = time.perf_counter()
-        batch, metrics = self.batch(exps)
+        with no_autocast:
+            batch, metrics = self.batch(exps)
         t3 = time.perf_counter()
         with self._stage("training"):
             metrics.update(self.train(batch, it))
@@ -326,9 +330,16 @@ class PPOWorker:
     def set_fusion(self, *, inter: bool, intra: bool) -> None:
         """Switch the plugins between iterations (the pipeline is re-planned if needed)."""
         f = self.cfg.fusion
-        if self.fused is not None and intra != f.intra:
-            self.fused.close()
+        rebuild = self.fused is not None and intra != f.intra
         f.inter, f.intra = inter, intra
+        if rebuild:
+            assert self.fused is not None
+            self.fused.close()
+            if not intra:  # the serial order needs no profiling: build it now, off the clock
+                from ..schedule import solve
+
+                serial = solve(self.fused.problem, "concatenated_1f1b", time_limit=1.0)
+                self.fused.build(serial, timeout=f.timeout_s, device=self.device)
 
     def close(self) -> None:
         if self.fused is not None:

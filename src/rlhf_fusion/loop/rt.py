@@ -22,9 +22,11 @@ import torch.distributed as dist
 from ..rollout.planning.lengths import LengthDistribution
 from ..rollout.planning.simulate import ClusterModel, plan_migration
 
-# Keep the current R_t while its simulated time is within this fraction of the best one: the
-# sweep's curve is flat near its minimum, and timing noise must not move the choice there.
-STICKY = 0.03
+# The sweep's curve is flat near its minimum, and timing noise must not move the choice along
+# it: take the smallest R_t within TOLERANCE of the best simulated time, and keep the current
+# R_t while it is within STICKY of the best.
+TOLERANCE = 0.05
+STICKY = 0.05
 # R_t before any length has been seen: a quarter of the batch (RLHFuse's sweeps put the best
 # R_t at 20-40 % of the batch for long-tailed lengths).
 FIRST_FRACTION = 0.25
@@ -116,7 +118,8 @@ class RtPlanner:
             return fixed
         if self.dist is None:
             return max(1, round(FIRST_FRACTION * self.batch))
-        plan = plan_migration(self.dist, self.cluster(), self.batch, trials=4, seed=0)
+        plan = plan_migration(self.dist, self.cluster(), self.batch, trials=4, seed=0,
+                              tolerance=TOLERANCE)
         best = plan.rt
         if self.current is not None:
             now = next((p for p in plan.sweep.feasible if p.rt == self.current), None)

@@ -9,6 +9,7 @@ complete one and gives the same results as a run that was never interrupted.
 
 from __future__ import annotations
 
+import copy
 import json
 import sys
 import time
@@ -99,7 +100,7 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
               out_dir: str | None, checkpoint_every: int, resume: bool, progress: bool,
               stop_after: int | None, timeline_serial: bool,
               keep_experiences: bool = False) -> dict[str, Any]:
-    from .checkpoint import load_worker, save_worker
+    from .checkpoint import load_worker, load_worker_state, save_worker, worker_state
     from .iteration import PPOWorker
 
     torch.manual_seed(cfg.models.seed)
@@ -126,7 +127,12 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
     kept = []
     end = cfg.iterations if stop_after is None else min(cfg.iterations, stop_after)
     t_run = time.perf_counter()
+    snapshot = None
     for it in range(start, end):
+        if timeline_serial and it == end - 1:
+            # Replayed serially after the run: the same weights and prompts give the same
+            # samples, so the two timelines of this iteration compare like with like.
+            snapshot = copy.deepcopy(worker_state(worker, history))
         res = worker.iteration(prompts_for(prompt_ids, it, cfg.generation.prompts_per_iteration))
         row = {"iteration": it, **res.metrics}
         history.append(row)
@@ -150,12 +156,13 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
     if log is not None:
         log.close()
     serial_timeline = None
-    if timeline_serial and end > start:
-        worker.set_fusion(inter=False, intra=False)
-        it = end
-        res = worker.iteration(prompts_for(prompt_ids, it, cfg.generation.prompts_per_iteration))
-        serial_timeline = res.timeline
     state = worker.canonical_state()
+    if snapshot is not None:
+        load_worker_state(worker, snapshot)
+        worker.set_fusion(inter=False, intra=False)
+        again = worker.iteration(prompts_for(prompt_ids, end - 1,
+                                             cfg.generation.prompts_per_iteration))
+        serial_timeline = again.timeline
     experiences = res.experiences if end > start else []
     worker.close()
     return {"history": history, "state": state, "timelines": timelines, "seconds": run_s,

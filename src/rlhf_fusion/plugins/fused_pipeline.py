@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 from collections.abc import Mapping, Sequence
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
@@ -33,21 +32,11 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from ..runtime.checkpoint import (
@@ -73,13 +62,14 @@ from ..schedule import Problem, Schedule
 from .checkpoint import load_shards, save_meta, save_shards
 from .launcher import FusedPipelineLauncher
 from .module import log_ppo_stats
+from .process_group import ProcessGroupStrategy
 
 log = logging.getLogger(__name__)
 
 CheckpointMode = Literal["auto", "gathered", "sharded"]
 
 
-class FusedPipelineStrategy(ParallelStrategy):
+class FusedPipelineStrategy(ProcessGroupStrategy):
     """Fused bidirectional pipeline training of a PPO Actor and Critic.
 
     Args:
@@ -130,6 +120,9 @@ class FusedPipelineStrategy(ParallelStrategy):
         start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
     ) -> None:
         super().__init__(
+            timeout=timeout,
+            process_group_backend=process_group_backend,
+            start_method=start_method,
             accelerator=accelerator,
             parallel_devices=parallel_devices,
             cluster_environment=cluster_environment,
@@ -140,9 +133,6 @@ class FusedPipelineStrategy(ParallelStrategy):
             raise ValueError(
                 f"checkpoint: must be 'auto', 'gathered' or 'sharded', got {checkpoint!r}"
             )
-        if timeout <= 0:
-            raise ValueError(f"timeout: must be > 0 seconds, got {timeout}")
-        self._num_nodes = 1
         self._stage_groups = stage_groups
         self._actor_stages = actor_stages
         self._critic_stages = critic_stages
@@ -159,11 +149,8 @@ class FusedPipelineStrategy(ParallelStrategy):
         self._solver_time_limit = solver_time_limit
         self._profile_repeats = profile_repeats
         self._schedule_out = schedule_out
-        self._timeout = float(timeout)
         self._checkpoint_mode: CheckpointMode = checkpoint
         self._gathered_max_params = gathered_max_params
-        self._process_group_backend = process_group_backend
-        self._start_method = start_method
         self._reset_fit_state()
 
     def _reset_fit_state(self) -> None:
@@ -180,24 +167,7 @@ class FusedPipelineStrategy(ParallelStrategy):
         # The gathered state dict at the end of a fit, for the launcher to hand back.
         self._trained: dict[str, Tensor] | None = None
 
-    # -- Lightning plumbing (as in DDPStrategy) ----------------------------------------------------
-    @property
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
+    # -- Lightning plumbing ----------------------------------------------------------------------
     @property
     def is_distributed(self) -> bool:
         """True only with data-parallel replicas.
@@ -208,10 +178,6 @@ class FusedPipelineStrategy(ParallelStrategy):
         """
         world = self.num_nodes * self.num_processes
         return world // self._resolved_stage_groups() > 1
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -249,32 +215,6 @@ class FusedPipelineStrategy(ParallelStrategy):
             preflight=self.preflight,
             trained_weights=self.trained_weights,
         )
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        self._setup_distributed()
-
-    def _setup_distributed(self) -> None:
-        reset_seed()
-        self._set_world_ranks()
-        self._process_group_backend = (
-            self._process_group_backend
-            or _get_default_process_group_backend_for_device(self.root_device)
-        )
-        assert self.cluster_environment is not None
-        _init_dist_connection(
-            self.cluster_environment,
-            self._process_group_backend,
-            timeout=timedelta(seconds=max(self._timeout, 60.0)),
-        )
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(
-                self.node_rank * self.num_processes + self.local_rank
-            )
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     # -- layout and pre-flight checks --------------------------------------------------------------
     def _resolved_stage_groups(self) -> int:
@@ -504,29 +444,6 @@ class FusedPipelineStrategy(ParallelStrategy):
                 "checkpoint)."
             )
         return super().validation_step(*args, **kwargs)
-
-    # -- collectives used by Lightning (logging, callbacks) ----------------------------------------
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if _distributed_is_initialized():
-            dist.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src)
-        return box[0]
-
-    def reduce(
-        self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    def model_to_device(self) -> None:
-        assert self.model is not None
-        self.model.to(self.root_device)
 
     # -- checkpoints -------------------------------------------------------------------------------
     @property

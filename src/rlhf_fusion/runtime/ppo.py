@@ -145,12 +145,16 @@ def value_loss(
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped value loss ``0.5 * max((v - R)^2, (v_clip - R)^2)``, token mean."""
     err = (values - returns).square()
+    clip_frac = torch.zeros((), dtype=values.dtype, device=values.device)
     if clip_eps is not None:
         clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
-        err = torch.maximum(err, (clipped - returns).square())
+        err_clipped = (clipped - returns).square()
+        with torch.no_grad():  # TRL's val/clipfrac: where the clipped loss is the larger
+            clip_frac = masked_mean((err_clipped > err).to(values.dtype), action_mask)
+        err = torch.maximum(err, err_clipped)
     loss = 0.5 * masked_mean(err, action_mask)
     with torch.no_grad():
-        stats = {"value_mean": masked_mean(values, action_mask)}
+        stats = {"value_mean": masked_mean(values, action_mask), "clip_frac": clip_frac}
     return loss, stats
 
 

@@ -1,0 +1,114 @@
+"""The RLHF loop as a LightningModule: each ``training_step`` is one PPO iteration.
+
+The algorithm lives here (``rlhf_fusion.loop.PPOWorker``); the distribution in the strategy
+(:class:`~rlhf_fusion.plugins.RLHFLoopStrategy`). Without that strategy the same module runs the
+same iteration on one device, unfused: that run is what the fused one must reproduce.
+
+    module = RLHFModule(RLHFConfig(...))
+    L.Trainer(strategy=RLHFLoopStrategy(), devices=2, max_epochs=1).fit(module, prompt_loader)
+
+``prompt_loader`` yields batches of prompt strings (``generation.prompts_per_iteration`` each).
+Every iteration logs TRL's PPO metric names (``objective/scores``, ``loss/policy_avg``, ...).
+Checkpoints hold every rank's share and resume exactly.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from ..loop.checkpoint import load_worker_state, worker_state
+from ..loop.config import RLHFConfig
+
+_CKPT_KEY = "rlhf_loop_ranks"
+
+
+class RLHFModule(pl.LightningModule):
+    """PPO on the four models of ``config``; ``training_step`` runs one whole iteration."""
+
+    def __init__(self, config: RLHFConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.automatic_optimization = False
+        self.worker: Any = None  # built in setup(), in the process that runs it
+        self.history: list[dict[str, float]] = []
+        self._pending: list[Any] | None = None
+
+    # -- building ------------------------------------------------------------------------------
+    def run_config(self) -> RLHFConfig:
+        """The config as this process runs it: one device without a process group."""
+        cfg = copy.deepcopy(self.config)
+        if not (dist.is_available() and dist.is_initialized()):
+            cfg.world_size = 1
+            cfg.fusion.inter = False
+        else:
+            cfg.world_size = dist.get_world_size()
+        return cfg
+
+    def setup(self, stage: str) -> None:
+        if self.worker is None:
+            from ..loop.iteration import PPOWorker
+
+            self.worker = PPOWorker(self.run_config())
+
+    def configure_optimizers(self) -> Any:
+        # The worker owns one optimizer per resident training stage (see PPOWorker).
+        return None
+
+    # -- one iteration -------------------------------------------------------------------------
+    def training_step(self, batch: Sequence[str], batch_idx: int) -> None:
+        tok = self.worker.tokenizer
+        prompts = [tok.encode(p) for p in batch]
+        want = self.config.generation.prompts_per_iteration
+        if len(prompts) != want:
+            raise ValueError(f"the dataloader gave {len(prompts)} prompts; the config's "
+                             f"generation.prompts_per_iteration is {want}: set batch_size={want}"
+                             " and drop_last=True")
+        # Generation and scoring run in their own precision (float64 by default), whatever
+        # the Trainer's precision plugin set for the step; training runs under it.
+        res = self.worker.iteration(prompts)
+        self.history.append({"iteration": res.metrics.get("episode", 0.0) / want - 1,
+                             **res.metrics})
+        self.log_dict(res.metrics, on_step=True, on_epoch=False, batch_size=want,
+                      rank_zero_only=True)
+        return None
+
+    # -- checkpoints: every rank's share, gathered into the one file rank 0 writes ----------------
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        share = worker_state(self.worker, self.history)
+        if dist.is_available() and dist.is_initialized():
+            shares: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(shares, share)
+        else:
+            shares = [share]
+        checkpoint[_CKPT_KEY] = shares
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        shares = checkpoint.get(_CKPT_KEY)
+        if shares is None:
+            raise KeyError("checkpoint: no RLHF loop state; it was not written by RLHFModule")
+        if self.worker is None:
+            self._pending = shares
+            return
+        self._restore(shares)
+
+    def _restore(self, shares: list[Any]) -> None:
+        rank = self.worker.rank
+        if len(shares) != self.worker.world:
+            raise ValueError(f"checkpoint: written by {len(shares)} ranks, this run has "
+                             f"{self.worker.world}; resume with the same number of devices")
+        self.history = load_worker_state(self.worker, shares[rank])
+
+    def on_train_start(self) -> None:
+        if self._pending is not None:
+            self._restore(self._pending)
+            self._pending = None
+
+    def trained_state(self) -> dict[str, torch.Tensor]:
+        """This rank's canonical Actor/Critic parameters (``actor.*``, ``critic.*``)."""
+        return self.worker.canonical_state()
