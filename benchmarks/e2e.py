@@ -39,6 +39,9 @@ def workload(args: argparse.Namespace, seed: int, fused: bool):
     cfg.generation.seed = seed
     cfg.generation.prompts_per_iteration = args.batch
     cfg.ppo.micro_batches = args.micro_batches
+    cfg.ppo.learning_rate = args.lr
+    cfg.ppo.num_ppo_epochs = args.epochs
+    cfg.ppo.num_mini_batches = args.mini_batches
     return cfg
 
 
@@ -103,8 +106,13 @@ def main() -> int:
     ap.add_argument("--batch", type=int, default=48)
     ap.add_argument("--hidden", type=int, default=64)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--micro-batches", type=int, default=4,
+    ap.add_argument("--epochs", type=int, default=4, help="PPO epochs (TRL's default: 4)")
+    ap.add_argument("--mini-batches", type=int, default=1,
+                    help="PPO mini-batches per epoch (TRL's default: 1)")
+    ap.add_argument("--micro-batches", type=int, default=2,
                     help="per PPO mini-batch (pipeline micro-batches per step)")
+    ap.add_argument("--lr", type=float, default=1e-4,
+                    help="small, so the length distribution stays what sampling gives it")
     ap.add_argument("--reward-model", action="store_true",
                     help="a reward model of the actor's size instead of the demo's rule")
     ap.add_argument("--no-write", action="store_true")
@@ -114,8 +122,9 @@ def main() -> int:
         row = {"seed": seed}
         for mode in ("serial", "fused"):
             row[mode] = one(args, seed, mode == "fused")
-            print(f"seed {seed} {mode:>6}: {row[mode]['samples_per_s']:.1f} samples/s",
-                  file=sys.stderr)
+            stages = ", ".join(f"{name} {row[mode]['stages'][k]:.3f}" for k, name in STAGES)
+            print(f"seed {seed} {mode:>6}: {row[mode]['samples_per_s']:.1f} samples/s ({stages}; "
+                  f"generation {row[mode]['generation_s']:.3f})", file=sys.stderr)
         row["speedup"] = row["fused"]["samples_per_s"] / row["serial"]["samples_per_s"]
         row["same_lengths"] = row["fused"]["lengths"] == row["serial"]["lengths"]
         rows.append(row)
@@ -139,7 +148,8 @@ def main() -> int:
                                                         for i, a in enumerate(sys.argv)),
                "iterations": args.iterations, "world": args.world, "batch": args.batch,
                "hidden": args.hidden, "layers": args.layers, "micro_batches": args.micro_batches,
-               "reward_model": args.reward_model,
+               "reward_model": args.reward_model, "lr": args.lr, "epochs": args.epochs,
+               "mini_batches": args.mini_batches,
                "rows": [{**r, "fused": {k: v for k, v in r["fused"].items() if k != "lengths"},
                          "serial": {k: v for k, v in r["serial"].items() if k != "lengths"}}
                         for r in rows]}

@@ -99,7 +99,7 @@ class PPOWorker:
             copy.deepcopy(m.actor), instance_id=self.rank, max_batch_size=g.bs_max,
             kv_capacity_tokens=g.kv_capacity_tokens, device=self.device))
         self.inference = InferenceModels(m.ref, self._reward(), copy.deepcopy(m.critic),
-                                         micro_batch=8, device=self.device,
+                                         micro_batch=4, device=self.device,
                                          pad_id=self.tokenizer.pad_token_id)
         self._scoring: list[tuple[int, float]] = []
         self.inference.score = timed_scoring(self.inference.score, self._scoring)
@@ -181,7 +181,8 @@ class PPOWorker:
         from ..rollout import RolloutConfig, run_rollout
 
         rt = self.rt_planner.rt() if f.inter else None
-        rcfg = RolloutConfig(fused=f.inter, rt=rt, mechanism=f.mechanism, timeout_s=f.timeout_s)
+        rcfg = RolloutConfig(fused=f.inter, rt=rt, mechanism=f.mechanism, timeout_s=f.timeout_s,
+                             report_every=16)
         out = run_rollout(self.backend, self.inference, specs, rcfg,
                           bs_max=self.cfg.generation.bs_max)
         return out.experiences or [], {**out.stats, "rt": rt}

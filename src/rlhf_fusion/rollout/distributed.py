@@ -13,10 +13,10 @@ Critic models. Timeline of ``run_rollout`` on every rank, fused mode:
 3. **Migrate.** Sources export their unfinished samples ("kv" or "tokens") and send the tickets
    point-to-point; destinations import them and acknowledge. A source that gets no
    acknowledgement within the timeout raises ``MigrationError`` naming the destination.
-4. **Stream.** Destinations keep generating and push every finished sample (first the ones
-   they had finished before the trigger) into a store queue. Freed ranks score their own
-   finished samples, then pop from the queue as samples arrive, so each long-tail sample is
-   scored as soon as it ends. A destination whose generation is over pops from the queue too.
+4. **Stream.** Every rank pushes the samples it finished before the trigger into a store
+   queue; destinations keep generating and push each sample as it finishes. Freed ranks pop
+   and score from the queue at once, so each long-tail sample is scored as soon as it ends; a
+   destination whose generation is over pops too and takes its share of the backlog.
    Waiting consumers watch the destinations' heartbeats and raise ``CoordinatorTimeout`` naming
    the silent rank after ``timeout_s``.
 5. **Assemble.** ``all_gather_object`` of everyone's experience; every rank returns the batch
@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import pickle
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -234,6 +233,11 @@ def _auto_mechanism(plan: MigrationAssignment, progress: dict[int, list[Any]],
     return mode
 
 
+IDLE_POLL_MIN_S = 0.001
+IDLE_POLL_MAX_S = 0.008
+HEARTBEAT_CHECK_S = 0.05
+
+
 def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
                             done: list[SampleResult]) -> None:
     store = r.store
@@ -336,23 +340,29 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
                 last_hb = now
         store.add(gen_done, 1)
         stats["generation_end_s"] = time.perf_counter() - t0
-        local: deque[SampleResult] = deque()
     else:
+        # Freed ranks share their finished samples too: a destination whose generation ends
+        # takes its part of the backlog instead of idling while one freed rank scores it all.
         results.extend(done)
-        local = deque(done)
+        push(done)
         stats["generation_end_s"] = stats.get("trigger_s")
-    # Consume: own samples first, then the shared stream, until every destination is done and
-    # the stream is empty.
+    # Consume the shared stream until every destination is done and the stream is empty.
     beats = {d: (-1, time.perf_counter()) for d in plan.destinations}
     first_score = None
+    # An idle consumer backs off (1 ms doubling to IDLE_POLL_MAX_S) and checks heartbeats every
+    # HEARTBEAT_CHECK_S: the store is served by threads in rank 0's process, so a tight polling
+    # loop elsewhere takes the GIL from rank 0's own decoding.
+    idle = IDLE_POLL_MIN_S
+    next_beat_check = 0.0
     while True:
-        batch = [local.popleft() for _ in range(min(micro, len(local)))]
+        batch: list[SampleResult] = []
         while len(batch) < micro:
             try:
                 batch.append(pickle.loads(store.queue_pop(queue_key, False)))
             except dist.QueueEmptyError:
                 break
         if batch:
+            idle = IDLE_POLL_MIN_S
             if first_score is None:
                 first_score = time.perf_counter() - t0
             if inference is not None:
@@ -361,8 +371,12 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
         if int(store.add(gen_done, 0)) >= len(plan.destinations) and \
                 store.queue_len(queue_key) == 0:
             break
-        _check_heartbeats(r, plan, beats)
-        time.sleep(0.001)
+        now = time.perf_counter()
+        if now >= next_beat_check:
+            _check_heartbeats(r, plan, beats)
+            next_beat_check = now + HEARTBEAT_CHECK_S
+        time.sleep(idle)
+        idle = min(2 * idle, IDLE_POLL_MAX_S)
     stats["inference_start_s"] = first_score
     stats["scored"] = len(exps)
     return results, exps
