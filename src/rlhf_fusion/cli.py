@@ -149,7 +149,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="PPO on tiny models, 2 CPU processes, every plugin on")
     d.add_argument("--out", default="rlhf-fusion-demo", help="output directory")
-    d.add_argument("--iterations", type=int, default=16)
+    d.add_argument("--iterations", type=int, default=24)
     d.add_argument("--serial", action="store_true",
                    help="the serial baseline (no inter- or intra-stage fusion)")
     d.set_defaults(func=cmd_demo)

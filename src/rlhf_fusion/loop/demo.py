@@ -23,15 +23,15 @@ def demo_prompts() -> list[str]:
     return [x for x in text.splitlines() if x.strip()]
 
 
-def demo_config(*, iterations: int = 16, serial: bool = False, world_size: int = 2
+def demo_config(*, iterations: int = 24, serial: bool = False, world_size: int = 2
                 ) -> RLHFConfig:
     return RLHFConfig(
         models=ModelsConfig(actor={"family": "llama", "layers": 4, "hidden": 64},
                             reward="vowels", seed=0),
         generation=GenerationConfig(prompts_per_iteration=48, max_new_tokens=256, seed=0,
                                     bs_max=64),
-        ppo=PPOLoopConfig(num_ppo_epochs=2, num_mini_batches=2, micro_batches=4,
-                          learning_rate=1e-3, kl_coef=0.05, gamma=1.0, lam=0.95),
+        ppo=PPOLoopConfig(num_ppo_epochs=2, num_mini_batches=2, micro_batches=2,
+                          learning_rate=2e-3, kl_coef=0.02, gamma=1.0, lam=0.95),
         fusion=FusionConfig.off() if serial else FusionConfig(rt="auto", mechanism="kv"),
         world_size=world_size,
         iterations=iterations,
@@ -43,7 +43,7 @@ def _pct(values: list[float], q: float) -> float:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
-def run_demo(out_dir: str | Path = "rlhf-fusion-demo", *, iterations: int = 16,
+def run_demo(out_dir: str | Path = "rlhf-fusion-demo", *, iterations: int = 24,
              serial: bool = False, progress: bool = True) -> dict[str, Any]:
     """Train, then write the pictures and the summary; returns the summary."""
     from .plot import reward_png, timeline_png

@@ -126,11 +126,11 @@ def value_model(src: ModelSource, vocab_size: int, seed: int = 0) -> CriticModel
     return _seeded(seed, lambda: CriticModel(backbone))
 
 
-def vowel_fraction(prompt: str, response: str) -> float:
-    """The demo's rule-based reward: vowels per character of the response, with four
-    characters of prior (``vowels / (len + 4)``) so that a one-letter answer is not a perfect
-    score and PPO learns what to write rather than to stop."""
-    return sum(c in "aeiou" for c in response) / (len(response) + 4)
+def vowel_fraction(prompt: str, response: str, *, window: int = 8) -> float:
+    """The demo's rule-based reward: the fraction of vowels among the response's first
+    ``window`` characters (missing characters count as consonants). Only the opening is
+    scored, so PPO learns what to write first and the length is left to sampling."""
+    return sum(c in "aeiou" for c in response[:window]) / window
 
 
 BUILTIN_REWARDS: dict[str, RewardFn] = {"vowels": vowel_fraction}
