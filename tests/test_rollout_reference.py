@@ -89,6 +89,21 @@ def test_protocol_and_greedy_matches_full_recompute(model):
         assert res[s.sample_id].finish_reason == "length"
 
 
+def test_backend_registers_its_paged_attention_without_masks(model):
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    from rlhf_fusion.rollout.paged import ATTN_IMPL_NAME, paged_attention_forward
+    from rlhf_fusion.triton_kernels import ATTENTION_NAME
+
+    backend = ReferenceBackend(model)
+    assert ATTN_IMPL_NAME != ATTENTION_NAME
+    assert backend.model.config._attn_implementation == ATTN_IMPL_NAME
+    assert AttentionInterface._global_mapping[ATTN_IMPL_NAME] is paged_attention_forward
+    # the model passes no mask: the paged context says what each query attends to
+    assert ATTN_IMPL_NAME not in AttentionMaskInterface._global_mapping
+
+
 def test_tokens_do_not_depend_on_batching(model):
     specs = make_specs(10, seed=3)
     ref = run_all(ReferenceBackend(model, max_batch_size=1), specs)

@@ -30,14 +30,13 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
-from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
+from typing_extensions import Unpack
 
 from ..runtime.checkpoint import (
     aliases,
@@ -62,7 +61,7 @@ from ..schedule import Problem, Schedule
 from .checkpoint import load_shards, save_meta, save_shards
 from .launcher import FusedPipelineLauncher
 from .module import log_ppo_stats
-from .process_group import ProcessGroupStrategy
+from .process_group import ProcessGroupOptions, ProcessGroupStrategy
 
 log = logging.getLogger(__name__)
 
@@ -85,11 +84,13 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
         profile_repeats: timed passes over the first batch's micro-batches per stage in the
             profiling pass (after one warm-up pass; each micro-batch keeps its fastest time).
         schedule_out: where rank 0 writes the schedule it ran (reuse it with ``schedule=``).
-        timeout: seconds any wait (activation, gradient, collective) may take before the rank
-            raises an error naming what it waited for.
         checkpoint: ``"gathered"`` (one file, the unpipelined layout), ``"sharded"`` (a
             directory with a file per model stage) or ``"auto"`` (gathered up to
             ``gathered_max_params`` parameters).
+        **process_group: :class:`ProcessGroupOptions` (``timeout``: seconds any wait, be it
+            an activation, a gradient or a collective, may take before the rank raises an
+            error naming what it waited for; the backend, start method, accelerator, devices,
+            cluster environment, checkpoint IO and precision plugin Lightning passes in).
     """
 
     strategy_name = "fused_pipeline"
@@ -108,27 +109,11 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
         solver_time_limit: float = 10.0,
         profile_repeats: int = 2,
         schedule_out: str | os.PathLike | None = None,
-        timeout: float = 300.0,
         checkpoint: CheckpointMode = "auto",
         gathered_max_params: int = 2_000_000_000,
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
-        process_group_backend: str | None = None,
-        start_method: Literal["spawn", "fork", "forkserver"] = "spawn",
+        **process_group: Unpack[ProcessGroupOptions],
     ) -> None:
-        super().__init__(
-            timeout=timeout,
-            process_group_backend=process_group_backend,
-            start_method=start_method,
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(**process_group)
         if checkpoint not in ("auto", "gathered", "sharded"):
             raise ValueError(
                 f"checkpoint: must be 'auto', 'gathered' or 'sharded', got {checkpoint!r}"

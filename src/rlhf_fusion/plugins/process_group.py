@@ -7,7 +7,7 @@ subclass decides how its models are distributed and which data each rank reads.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import lightning.pytorch as pl
 import torch
@@ -29,6 +29,20 @@ from torch import Tensor
 from typing_extensions import override
 
 StartMethod = Literal["spawn", "fork", "forkserver"]
+
+
+class ProcessGroupOptions(TypedDict, total=False):
+    """The keyword arguments of :class:`ProcessGroupStrategy` (see its ``__init__`` for the
+    defaults), for subclasses that pass them through."""
+
+    timeout: float
+    process_group_backend: str | None
+    start_method: StartMethod
+    accelerator: pl.accelerators.Accelerator | None
+    parallel_devices: list[torch.device] | None
+    cluster_environment: ClusterEnvironment | None
+    checkpoint_io: CheckpointIO | None
+    precision_plugin: Precision | None
 
 
 class ProcessGroupStrategy(ParallelStrategy):

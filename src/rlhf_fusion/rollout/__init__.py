@@ -10,20 +10,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from . import types
 from .backend import GenerationBackend
-from .types import (
-    BackendCapabilities,
-    CapabilityError,
-    CoordinatorTimeout,
-    KVCapacityError,
-    MigrationError,
-    MigrationTicket,
-    RolloutConfigError,
-    RolloutError,
-    SampleProgress,
-    SampleResult,
-    SampleSpec,
-)
+from .types import *  # noqa: F403 (the types that cross the backend boundary: types.__all__)
 
 _LAZY = {
     "ReferenceBackend": ".reference",
@@ -36,21 +25,7 @@ _LAZY = {
     "LocalFusedRollout": ".local",
 }
 
-__all__ = [
-    "BackendCapabilities",
-    "CapabilityError",
-    "CoordinatorTimeout",
-    "GenerationBackend",
-    "KVCapacityError",
-    "MigrationError",
-    "MigrationTicket",
-    "RolloutConfigError",
-    "RolloutError",
-    "SampleProgress",
-    "SampleResult",
-    "SampleSpec",
-    *_LAZY,
-]
+__all__ = ["GenerationBackend", *types.__all__, *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

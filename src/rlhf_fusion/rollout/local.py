@@ -17,7 +17,6 @@ from .backend import GenerationBackend
 from .inference import Experience, InferenceModels
 from .planning.planner import MigrationAssignment, MovingSample, assign_migration, validate_fusion
 from .types import (
-    MIGRATION_MODES,
     CapabilityError,
     MigrationMode,
     RolloutConfigError,
@@ -25,6 +24,7 @@ from .types import (
     SampleProgress,
     SampleResult,
     SampleSpec,
+    check_migration_mode,
 )
 from .wire import pack_tickets, unpack_tickets
 
@@ -71,12 +71,11 @@ def assemble(items: Iterable[Any], expected: Iterable[int], what: str) -> list[A
 
 
 def resolve_mode(mode: str, backends_kv: bool) -> MigrationMode:
-    if mode not in MIGRATION_MODES:
-        raise RolloutConfigError(f"mechanism={mode!r}; use 'kv' or 'tokens'")
-    if mode == "kv" and not backends_kv:
+    resolved = check_migration_mode(mode, "mechanism")
+    if resolved == "kv" and not backends_kv:
         raise CapabilityError("mechanism='kv' but the backend cannot export/import KV; "
                               "use mechanism='tokens'")
-    return mode  # type: ignore[return-value]
+    return resolved
 
 
 @dataclass

@@ -5,7 +5,8 @@ Each sample owns a run of consecutive fixed-size blocks in a per-layer pool of s
 retiring one sample costs O(its own tokens) and never touches the others. The block table is
 what the (vLLM-layout) Triton kernel reads; the run being consecutive lets the CPU path read a
 sample's context as one slice instead of gathering it. The attention function
-is registered with ``transformers.AttentionInterface``; the model then calls it with the usual
+is registered with ``transformers.AttentionInterface`` (by ``triton_kernels``'
+``register_transformers_attention``, the package's one registration); the model then calls it with the usual
 (query, key, value) and our ``paged_kv`` context rides along in the forward kwargs. With no
 context it is plain SDPA, so the model stays usable outside the backend.
 
@@ -271,18 +272,17 @@ def paged_attention_forward(
     return out.transpose(1, 2).contiguous(), None
 
 
-_registered = False
-
-
 def register_attention() -> str:
-    """Register the paged attention with transformers (idempotent); return its name."""
-    global _registered
-    if not _registered:
-        from transformers import AttentionInterface
+    """Register :func:`paged_attention_forward` with transformers (through the package's one
+    registration function, idempotent) and return its ``attn_implementation`` name.
 
-        AttentionInterface.register(ATTN_IMPL_NAME, paged_attention_forward)
-        _registered = True
-    return ATTN_IMPL_NAME
+    No mask function is registered: the model passes no mask, and the paged context (or,
+    without one, causal SDPA) says what each query attends to.
+    """
+    from ..triton_kernels.decode_attention import register_transformers_attention
+
+    return register_transformers_attention(ATTN_IMPL_NAME, paged_attention_forward,
+                                           sdpa_masks=False)
 
 
 def load_triton_decode(device: torch.device) -> Callable[..., torch.Tensor] | None:

@@ -26,7 +26,6 @@ import torch
 from .paged import KVHandle, PagedContext, PagedKVPool, load_triton_decode, register_attention
 from .sampling import keyed_sample
 from .types import (
-    MIGRATION_MODES,
     BackendCapabilities,
     KVCapacityError,
     MigrationMode,
@@ -36,6 +35,7 @@ from .types import (
     SampleProgress,
     SampleResult,
     SampleSpec,
+    check_migration_mode,
 )
 
 
@@ -336,8 +336,7 @@ class ReferenceBackend:
     def export_samples(
         self, ids: Iterable[int], mode: MigrationMode = "kv"
     ) -> list[MigrationTicket]:
-        if mode not in MIGRATION_MODES:
-            raise RolloutConfigError(f"mode={mode!r}; use one of {MIGRATION_MODES}")
+        check_migration_mode(mode)
         self._require_awake("export_samples")
         assert self.pool is not None
         tickets = []

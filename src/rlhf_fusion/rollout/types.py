@@ -9,6 +9,23 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+__all__ = [
+    "MIGRATION_MODES",
+    "BackendCapabilities",
+    "CapabilityError",
+    "CoordinatorTimeout",
+    "KVCapacityError",
+    "MigrationError",
+    "MigrationMode",
+    "MigrationTicket",
+    "RolloutConfigError",
+    "RolloutError",
+    "SampleProgress",
+    "SampleResult",
+    "SampleSpec",
+    "check_migration_mode",
+]
+
 MigrationMode = Literal["kv", "tokens"]
 MIGRATION_MODES: tuple[str, ...] = ("kv", "tokens")
 
@@ -19,6 +36,13 @@ class RolloutError(RuntimeError):
 
 class RolloutConfigError(ValueError):
     """A rollout configuration that cannot run; the message names the field and the fix."""
+
+
+def check_migration_mode(mode: str, field: str = "mode") -> MigrationMode:
+    """``mode`` if it is a migration mode, else a RolloutConfigError naming ``field``."""
+    if mode not in MIGRATION_MODES:
+        raise RolloutConfigError(f"{field}={mode!r}; use one of {MIGRATION_MODES}")
+    return mode  # type: ignore[return-value]
 
 
 class KVCapacityError(RolloutConfigError):

@@ -24,7 +24,6 @@ from typing import Any
 
 from .sampling import derive_seed
 from .types import (
-    MIGRATION_MODES,
     BackendCapabilities,
     CapabilityError,
     MigrationMode,
@@ -34,6 +33,7 @@ from .types import (
     SampleProgress,
     SampleResult,
     SampleSpec,
+    check_migration_mode,
 )
 
 _INSTALL_HINT = 'the vLLM backend needs vLLM: pip install "rlhf-fusion[vllm]"'
@@ -257,8 +257,7 @@ class VLLMBackend:
 
     def export_samples(self, ids: Iterable[int], mode: MigrationMode = "tokens"
                        ) -> list[MigrationTicket]:
-        if mode not in MIGRATION_MODES:
-            raise RolloutConfigError(f"mode={mode!r}; use one of {MIGRATION_MODES}")
+        check_migration_mode(mode)
         if mode == "kv" and not self.capabilities.kv_export:
             raise CapabilityError(
                 "this vLLM backend was built without kv_transfer, so it cannot export KV; "

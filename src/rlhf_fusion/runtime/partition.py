@@ -232,31 +232,40 @@ class PipelineStage:
         ``mb["input_ids"]``). Returns hidden states, or on the last stage the logits (Actor) or
         per-position values (Critic).
         """
-        if self.family == "llama":
-            return self._forward_llama(hidden, mb)
-        return self._forward_gpt2(hidden, mb)
+        layers = self._layers_llama if self.family == "llama" else self._layers_gpt2
+        hidden = layers(hidden, mb)
+        if self.is_last:
+            norm = self.base.norm if self.family == "llama" else self.base.ln_f
+            return self._head(norm(hidden))
+        return hidden
 
     def _head(self, hidden: Tensor) -> Tensor:
         head = getattr(self.module, self.head_attr)
         out = head(hidden)
         return out.squeeze(-1) if self.role == "critic" else out
 
-    def _forward_llama(self, hidden: Tensor | None, mb: Mapping[str, Tensor]) -> Tensor:
+    def _mask_args(self, hidden: Tensor, attention_mask: Tensor, position_ids: Tensor
+                   ) -> dict[str, object]:
+        """Arguments of ``transformers``' mask builders, as the model's own forward passes them
+        (``inputs_embeds`` only lends shape and dtype)."""
+        return {
+            "config": self.base.config,
+            "inputs_embeds": hidden,
+            "attention_mask": attention_mask,
+            "past_key_values": None,
+            "position_ids": position_ids,
+        }
+
+    def _layers_llama(self, hidden: Tensor | None, mb: Mapping[str, Tensor]) -> Tensor:
+        """Embeddings (first stage) and this stage's decoder layers of a Llama-like model."""
         from transformers.masking_utils import create_causal_mask, create_sliding_window_causal_mask
 
         base = self.base
-        attn, pos = mb["attention_mask"], mb["position_ids"]
+        pos = mb["position_ids"]
         if self.is_first:
             hidden = base.embed_tokens(mb["input_ids"])
         assert hidden is not None
-        # Same mask construction as the model's forward (inputs_embeds only lends shape/dtype).
-        kwargs = {
-            "config": base.config,
-            "inputs_embeds": hidden,
-            "attention_mask": attn,
-            "past_key_values": None,
-            "position_ids": pos,
-        }
+        kwargs = self._mask_args(hidden, mb["attention_mask"], pos)
         masks = {"full_attention": create_causal_mask(**kwargs)}
         if getattr(base, "has_sliding_layers", False):
             masks["sliding_attention"] = create_sliding_window_causal_mask(**kwargs)
@@ -272,38 +281,24 @@ class PipelineStage:
                 past_key_values=None,
                 use_cache=False,
             )
-        if self.is_last:
-            return self._head(base.norm(hidden))
         return hidden
 
-    def _forward_gpt2(self, hidden: Tensor | None, mb: Mapping[str, Tensor]) -> Tensor:
+    def _layers_gpt2(self, hidden: Tensor | None, mb: Mapping[str, Tensor]) -> Tensor:
+        """Embeddings (first stage) and this stage's blocks of a GPT-2-like model."""
         from transformers.masking_utils import create_causal_mask
 
         base = self.base
-        attn, pos = mb["attention_mask"], mb["position_ids"]
+        pos = mb["position_ids"]
         if self.is_first:
             embeds = base.wte(mb["input_ids"])
             hidden = base.drop(embeds + base.wpe(pos))
         assert hidden is not None
-        mask = create_causal_mask(
-            config=base.config,
-            inputs_embeds=hidden,
-            attention_mask=attn.view(attn.shape[0], -1),
-            past_key_values=None,
-            position_ids=pos,
-        )
+        attn = mb["attention_mask"]
+        mask = create_causal_mask(**self._mask_args(hidden, attn.view(attn.shape[0], -1), pos))
         for i in self.layers:
-            hidden = base.h[i](
-                hidden,
-                None,
-                mask,
-                None,
-                encoder_attention_mask=None,
-                use_cache=False,
-                position_ids=pos,
-            )
-        if self.is_last:
-            return self._head(base.ln_f(hidden))
+            # positional: the cache argument is named differently across transformers versions
+            hidden = base.h[i](hidden, None, mask, None, encoder_attention_mask=None,
+                               use_cache=False, position_ids=pos)
         return hidden
 
 

@@ -21,7 +21,6 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 
 from .evaluate import CompiledProblem, IdOrder
-from .problem import Problem
 
 
 @dataclass
@@ -113,7 +112,6 @@ def _worker(args: tuple) -> AnnealResult:
 
 
 def anneal(
-    problem: Problem,
     cp: CompiledProblem,
     start: IdOrder,
     *,
@@ -129,7 +127,8 @@ def anneal(
         workers = 1  # daemonic processes (e.g. a pipeline rank) cannot have children
     if workers == 1:
         return anneal_once(cp, start, seconds=seconds, seed=seed, memory_fraction=memory_fraction, caps=caps)
-    jobs = [(problem, start, seconds, seed + i, memory_fraction, caps) for i in range(workers)]
+    # Each worker compiles the problem again rather than unpickling the compiled arrays.
+    jobs = [(cp.problem, start, seconds, seed + i, memory_fraction, caps) for i in range(workers)]
     # fork is cheap and the planner holds no threads yet; spawn where fork does not exist.
     methods = multiprocessing.get_all_start_methods()
     ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")

@@ -79,7 +79,7 @@ def search(
     def run_anneal(seconds: float) -> None:
         nonlocal best
         res = anneal(
-            problem, cp, best, seconds=seconds, seed=seed, workers=workers,
+            cp, best, seconds=seconds, seed=seed, workers=workers,
             memory_fraction=p.anneal_memory_fraction, caps=caps,
         )
         stats["anneal"] = {"makespan": res.makespan, "peak_activation": round(res.peak, 6),

@@ -11,36 +11,9 @@ its torch implementation. The package attributes ``gae`` and ``decode_attention`
 functions; reach the modules through ``sys.modules`` or ``importlib`` if you need them.
 """
 
-from .decode_attention import (
-    ATTENTION_NAME,
-    decode_attention,
-    decode_attention_reference,
-    decode_attention_torch,
-    decode_attention_triton,
-    register_transformers_attention,
-    transformers_attention_forward,
-)
-from .gae import (
-    gae,
-    gae_packed,
-    gae_packed_reference,
-    gae_reference,
-    gae_torch,
-    gae_triton,
-)
+from . import decode_attention as _decode_attention
+from . import gae as _gae
+from .decode_attention import *  # noqa: F403 (after the module imports: the function wins)
+from .gae import *  # noqa: F403
 
-__all__ = [
-    "ATTENTION_NAME",
-    "decode_attention",
-    "decode_attention_reference",
-    "decode_attention_torch",
-    "decode_attention_triton",
-    "gae",
-    "gae_packed",
-    "gae_packed_reference",
-    "gae_reference",
-    "gae_torch",
-    "gae_triton",
-    "register_transformers_attention",
-    "transformers_attention_forward",
-]
+__all__ = [*_decode_attention.__all__, *_gae.__all__]

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -514,14 +515,24 @@ def transformers_attention_forward(
     return out[:, None, :, :], None
 
 
-def register_transformers_attention(name: str = ATTENTION_NAME) -> str:
-    """Register the kernel with ``transformers`` and return the ``attn_implementation`` name.
+def register_transformers_attention(
+    name: str = ATTENTION_NAME,
+    forward: Callable[..., tuple[torch.Tensor, None]] = transformers_attention_forward,
+    *,
+    sdpa_masks: bool = True,
+) -> str:
+    """Register an attention function with ``transformers`` and return the
+    ``attn_implementation`` name; registering a name again replaces its function.
 
-    Masks for it are built like SDPA's (4-D boolean, or None when nothing is masked).
+    The only place the package registers attention: by default the decode kernel above
+    (:func:`transformers_attention_forward`); ``rollout.paged`` registers its paged attention
+    through here too. With ``sdpa_masks`` the model builds masks for ``name`` like SDPA's (4-D
+    boolean, or None when nothing is masked); without, it passes no mask at all.
     """
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-    AttentionInterface.register(name, transformers_attention_forward)
-    AttentionMaskInterface.register(name, sdpa_mask)
+    AttentionInterface.register(name, forward)
+    if sdpa_masks:
+        AttentionMaskInterface.register(name, sdpa_mask)
     return name

@@ -25,6 +25,7 @@ import heapq
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
 
@@ -37,6 +38,9 @@ from .planner import (
     migration_costs,
     required_instances,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 @dataclass(frozen=True)
@@ -290,6 +294,15 @@ def rt_grid(batch_size: int, lo: float = 0.05, hi: float = 0.95, points: int = 1
     return sorted({min(batch_size, max(1, int(round(f * batch_size)))) for f in fr})
 
 
+class SweepOptions(TypedDict, total=False):
+    """The keyword arguments of :func:`sweep_rt` that :func:`plan_migration` passes through."""
+
+    grid: Sequence[int] | None
+    trials: int
+    seed: int
+    progress: bool
+
+
 def sweep_rt(
     dist: LengthDistribution,
     c: ClusterModel,
@@ -360,18 +373,15 @@ def plan_migration(
     c: ClusterModel,
     batch_size: int,
     *,
-    grid: Sequence[int] | None = None,
-    trials: int = 4,
-    seed: int = 0,
-    progress: bool = False,
     tolerance: float = 0.01,
+    **sweep_options: Unpack[SweepOptions],
 ) -> MigrationPlan:
-    """Simulate R_t over 5%-95% of the batch and pick the fastest (the smallest R_t within
-    ``tolerance`` of it); m and the mechanism follow."""
+    """Simulate R_t over 5%-95% of the batch (``sweep_options`` go to :func:`sweep_rt`) and
+    pick the fastest (the smallest R_t within ``tolerance`` of it); m and the mechanism follow."""
     if c.instances < 2:
         raise RolloutConfigError(
             f"instances={c.instances}: inter-stage fusion needs at least 2 generation instances")
-    sweep = sweep_rt(dist, c, batch_size, grid=grid, trials=trials, seed=seed, progress=progress)
+    sweep = sweep_rt(dist, c, batch_size, **sweep_options)
     best = sweep.choose(tolerance)
     # Context a destination takes in: its share of the tail, each about as long as the length
     # quantile the tail has reached at the trigger.
