@@ -13,19 +13,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import types as rollout_types
 from .backend import GenerationBackend
 from .inference import Experience, InferenceModels
 from .planning.planner import MigrationAssignment, MovingSample, assign_migration, validate_fusion
-from .types import (
-    CapabilityError,
-    MigrationMode,
-    RolloutConfigError,
-    RolloutError,
-    SampleProgress,
-    SampleResult,
-    SampleSpec,
-    check_migration_mode,
-)
+from .types import RolloutConfigError, SampleResult, SampleSpec
 from .wire import pack_tickets, unpack_tickets
 
 
@@ -39,7 +31,7 @@ def should_trigger(total_unfinished: int, rt: int) -> bool:
     return total_unfinished <= rt
 
 
-def moving(progress: Iterable[SampleProgress]) -> list[MovingSample]:
+def moving(progress: Iterable[rollout_types.SampleProgress]) -> list[MovingSample]:
     return [MovingSample(p.sample_id, p.kv_tokens, p.reserved_tokens) for p in progress]
 
 
@@ -65,15 +57,15 @@ def assemble(items: Iterable[Any], expected: Iterable[int], what: str) -> list[A
     missing = sorted(want - seen.keys())
     extra = sorted(seen.keys() - want)
     if dup or missing or extra:
-        raise RolloutError(f"{what}: exactly-once violated: duplicated {sorted(dup)[:10]}, "
+        raise rollout_types.RolloutError(f"{what}: exactly-once violated: duplicated {sorted(dup)[:10]}, "
                            f"missing {missing[:10]}, unexpected {extra[:10]}")
     return [seen[i] for i in sorted(seen)]
 
 
-def resolve_mode(mode: str, backends_kv: bool) -> MigrationMode:
-    resolved = check_migration_mode(mode, "mechanism")
+def resolve_mode(mode: str, backends_kv: bool) -> rollout_types.MigrationMode:
+    resolved = rollout_types.check_migration_mode(mode, "mechanism")
     if resolved == "kv" and not backends_kv:
-        raise CapabilityError("mechanism='kv' but the backend cannot export/import KV; "
+        raise rollout_types.CapabilityError("mechanism='kv' but the backend cannot export/import KV; "
                               "use mechanism='tokens'")
     return resolved
 

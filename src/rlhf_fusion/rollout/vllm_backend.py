@@ -22,18 +22,15 @@ from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import types as rollout_types
 from .sampling import derive_seed
 from .types import (
-    BackendCapabilities,
     CapabilityError,
-    MigrationMode,
     MigrationTicket,
-    RolloutConfigError,
     RolloutError,
     SampleProgress,
     SampleResult,
     SampleSpec,
-    check_migration_mode,
 )
 
 _INSTALL_HINT = 'the vLLM backend needs vLLM: pip install "rlhf-fusion[vllm]"'
@@ -89,7 +86,7 @@ class VLLMBackend:
     ) -> None:
         if engine is None:
             if model is None:
-                raise RolloutConfigError("VLLMBackend needs an engine or a model name/path")
+                raise rollout_types.RolloutConfigError("VLLMBackend needs an engine or a model name/path")
             vllm = _import_vllm()
             kwargs = {"worker_extension_cls": f"{__name__}.WorkerExtension",
                       **dict(engine_kwargs or {})}
@@ -101,7 +98,7 @@ class VLLMBackend:
         self.instance_id = instance_id
         self.max_batch_size = max_batch_size
         self._params_cls = sampling_params_cls
-        self.capabilities = BackendCapabilities(
+        self.capabilities = rollout_types.BackendCapabilities(
             kv_export=kv_transfer, kv_import=kv_transfer, streaming=True, exact_migration=False)
         self._poll_s = poll_s
         self._reqs: dict[int, _Req] = {}
@@ -255,9 +252,9 @@ class VLLMBackend:
                 self._ready.pop(req.spec.sample_id, None)
                 self._reqs.pop(req.spec.sample_id, None)
 
-    def export_samples(self, ids: Iterable[int], mode: MigrationMode = "tokens"
+    def export_samples(self, ids: Iterable[int], mode: rollout_types.MigrationMode = "tokens"
                        ) -> list[MigrationTicket]:
-        check_migration_mode(mode)
+        rollout_types.check_migration_mode(mode)
         if mode == "kv" and not self.capabilities.kv_export:
             raise CapabilityError(
                 "this vLLM backend was built without kv_transfer, so it cannot export KV; "
