@@ -48,6 +48,8 @@ def workload(args: argparse.Namespace, seed: int, fused: bool):
     cfg.ppo.learning_rate = args.lr
     cfg.ppo.num_ppo_epochs = args.epochs
     cfg.ppo.num_mini_batches = args.mini_batches
+    if fused and args.rt != "auto":
+        cfg.fusion.rt = float(args.rt)
     return cfg
 
 
@@ -117,6 +119,7 @@ def main() -> int:
                     help="PPO mini-batches per epoch (TRL's default: 1)")
     ap.add_argument("--micro-batches", type=int, default=2,
                     help="per PPO mini-batch (pipeline micro-batches per step)")
+    ap.add_argument("--rt", default="auto", help="R_t: auto (the planner) or a fraction")
     ap.add_argument("--lr", type=float, default=1e-4,
                     help="small, so the length distribution stays what sampling gives it")
     ap.add_argument("--rule-reward", dest="reward_model", action="store_false",
@@ -156,7 +159,7 @@ def main() -> int:
                "iterations": args.iterations, "world": args.world, "batch": args.batch,
                "hidden": args.hidden, "layers": args.layers, "micro_batches": args.micro_batches,
                "reward_model": args.reward_model, "lr": args.lr, "epochs": args.epochs,
-               "mini_batches": args.mini_batches,
+               "mini_batches": args.mini_batches, "rt": args.rt,
                "rows": [{**r, "fused": {k: v for k, v in r["fused"].items() if k != "lengths"},
                          "serial": {k: v for k, v in r["serial"].items() if k != "lengths"}}
                         for r in rows]}

@@ -45,8 +45,8 @@ from rlhf_fusion.testing import TinyJob, tiny_job_worker
 RESULTS = Path(__file__).resolve().parent / "results"
 # Median of this many passes per calibration point (see calibrate()).
 CALIBRATION_REPEATS = 3
-# The simulated curve is flat near its minimum: take the smallest R_t within 5 % of the best,
-# so that cost noise of a few percent does not move the choice along the flat stretch.
+# The simulated curve is flat near its minimum: take the middle of the R_t values within 5 % of
+# the best, so that cost noise of a few percent does not move the choice along the stretch.
 RT_TOLERANCE = 0.05
 
 
@@ -117,7 +117,7 @@ def calibrate(args: argparse.Namespace, actor: dict, scorer: dict, lengths: np.n
         kv_bytes_per_token=backend.kv_bytes_per_token, bandwidth_bytes_s=1e9, latency_s=1e-3,
         prompt_len=args.prompt_len)
     plan = plan_migration(LengthDistribution(lengths), cluster, args.samples, trials=8,
-                          seed=args.seed, tolerance=RT_TOLERANCE)
+                          seed=args.seed, tolerance=RT_TOLERANCE, pick="middle")
     return {"cluster": cluster.to_dict(), "plan": plan.to_dict(), "rt_fraction": plan.fraction,
             "predicted_serial_s": plan.serial_s, "predicted_fused_s": plan.fused_s}
 

@@ -192,3 +192,17 @@ def test_cli_prints_the_curve_and_the_choice(tmp_path, capsys):
 def test_cli_rejects_bad_configuration(capsys):
     rc = plan_migration_main(["--instances", "1", "--quiet", "--trials", "1"])
     assert rc == 2 and "at least 2" in capsys.readouterr().err
+
+
+def test_choose_takes_the_middle_of_the_near_optimal_stretch():
+    from rlhf_fusion.rollout.planning.simulate import SweepPoint, SweepResult
+
+    times = {3: 1.30, 6: 1.04, 10: 1.02, 13: 1.01, 16: 1.00, 19: 1.03, 22: 1.20}
+    sweep = SweepResult(32, [SweepPoint(rt, rt / 32, 1, t, 1.5, "kv") for rt, t in times.items()])
+    assert sweep.choose(0.05).rt == 6  # the smallest within 5 %
+    assert sweep.choose(0.05, "middle").rt == 13  # of 6, 10, 13, 16, 19
+    assert sweep.choose(0.0, "middle").rt == 16
+    # Noise that moves one end of the stretch moves the middle by at most one step.
+    times[6] = 1.06
+    noisy = SweepResult(32, [SweepPoint(rt, rt / 32, 1, t, 1.5, "kv") for rt, t in times.items()])
+    assert noisy.choose(0.05, "middle").rt in (13, 16)

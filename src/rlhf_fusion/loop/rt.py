@@ -23,8 +23,8 @@ from ..rollout.planning.lengths import LengthDistribution
 from ..rollout.planning.simulate import ClusterModel, plan_migration
 
 # The sweep's curve is flat near its minimum, and timing noise must not move the choice along
-# it: take the smallest R_t within TOLERANCE of the best simulated time, and keep the current
-# R_t while it is within STICKY of the best.
+# it: take the middle of the R_t values within TOLERANCE of the best simulated time (see
+# SweepResult.choose), and keep the current R_t while it is within STICKY of the best.
 TOLERANCE = 0.05
 STICKY = 0.05
 # R_t before any length has been seen: a quarter of the batch (RLHFuse's sweeps put the best
@@ -119,7 +119,7 @@ class RtPlanner:
         if self.dist is None:
             return max(1, round(FIRST_FRACTION * self.batch))
         plan = plan_migration(self.dist, self.cluster(), self.batch, trials=4, seed=0,
-                              tolerance=TOLERANCE)
+                              tolerance=TOLERANCE, pick="middle")
         best = plan.rt
         if self.current is not None:
             now = next((p for p in plan.sweep.feasible if p.rt == self.current), None)
