@@ -354,7 +354,6 @@ def trl_training_metrics(means: dict[str, float]) -> dict[str, float]:
         "critic/loss": "loss/value_avg",
         "actor/approx_kl": "policy/approxkl_avg",
         "actor/clip_frac": "policy/clipfrac_avg",
-        "actor/entropy": "policy/entropy_avg",
         "critic/clip_frac": "val/clipfrac_avg",
         "critic/value_mean": "val/value_avg",
         "actor/grad_norm": "policy/grad_norm",

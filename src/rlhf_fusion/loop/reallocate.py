@@ -9,7 +9,7 @@ network once per receiving rank and nothing else moves.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -115,8 +115,3 @@ def shapes_of(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
 def stage_parameters(module: nn.Module) -> dict[str, Tensor]:
     return dict(module.named_parameters())
 
-
-__all__: Sequence[str] = (
-    "Ownership", "broadcast_parameters", "full_state", "minimum_bytes", "ownership",
-    "shapes_of", "stage_parameters",
-)
