@@ -150,8 +150,7 @@ class PPOWorker:
         targets = {"actor": self.backend.model, "critic": self.inference.critic}
         if self.fused is None:
             for role, dst in targets.items():
-                src = getattr(self.models, role)
-                dst.load_state_dict(full_state(dst, dict(src.named_parameters())))
+                self._load(role, dst, dict(getattr(self.models, role).named_parameters()))
             return {"realloc/bytes": 0.0, "realloc/min_bytes": 0.0}
         stage_params = {r: dict(s.module.named_parameters()) for r, s in self.fused.stages.items()}
         if self._owners is None:
@@ -164,13 +163,17 @@ class PPOWorker:
                                                self._shapes[role], self.device)
             moved += got
             minimum += minimum_bytes(own, self._shapes[role], self.world)
-            if role == "actor":
-                self.backend.update_weights(full_state(dst, params))
-            else:
-                dst.load_state_dict(full_state(dst, params))
+            self._load(role, dst, params)
         totals = torch.tensor([float(moved)], dtype=torch.float64)
         dist.all_reduce(totals)
         return {"realloc/bytes": float(totals[0]), "realloc/min_bytes": float(minimum)}
+
+    def _load(self, role: str, dst: torch.nn.Module, params: dict[str, Tensor]) -> None:
+        # The Actor's copy belongs to the generation backend: weights go in through its API.
+        if role == "actor":
+            self.backend.update_weights(full_state(dst, params))
+        else:
+            dst.load_state_dict(full_state(dst, params))
 
     def rollout(self, specs: list[SampleSpec]) -> tuple[list[Experience], dict[str, Any]]:
         """Generation + inference; every rank returns the whole batch, sorted by sample id."""

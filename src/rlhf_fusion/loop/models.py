@@ -73,36 +73,76 @@ def load_tokenizer(cfg: ModelsConfig) -> Any:
     return HFTokenizer(AutoTokenizer.from_pretrained(name))
 
 
-def tiny_lm_config(vocab_size: int, family: str = "llama", *, layers: int = 2,
-                   hidden: int = 64, heads: int = 4, kv_heads: int = 2,
-                   max_positions: int = 2048, **extra: Any) -> Any:
-    """A small ``transformers`` config of the given family (never downloaded)."""
-    if family not in MODEL_FAMILIES:
-        raise LoopConfigError(f"model family {family!r}: supported {', '.join(MODEL_FAMILIES)}")
+def tiny_config(
+    kind: str = "llama",
+    *,
+    vocab_size: int = 128,
+    hidden_size: int = 64,
+    layers: int = 2,
+    heads: int = 4,
+    kv_heads: int = 2,
+    intermediate_size: int | None = None,
+    max_positions: int = 4096,
+    tie: bool | None = None,
+) -> Any:
+    """A small ``transformers`` config of a supported family (never downloaded), dropout off.
+
+    ``tie`` sets ``tie_word_embeddings`` (None: the family's default; GPT-2 ties).
+    """
     import transformers
 
-    common = dict(vocab_size=vocab_size, **extra)
-    if family == "gpt2":
-        return transformers.GPT2Config(n_embd=hidden, n_layer=layers, n_head=heads,
-                                       n_inner=2 * hidden, n_positions=max_positions, **common)
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
-           "mistral": transformers.MistralConfig}[family]
-    return cls(hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
-               num_attention_heads=heads, num_key_value_heads=kv_heads,
-               max_position_embeddings=max_positions, tie_word_embeddings=False, **common)
+    inter = intermediate_size or 2 * hidden_size
+    extra = {} if tie is None else {"tie_word_embeddings": bool(tie)}
+    if kind == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=vocab_size, n_embd=hidden_size, n_layer=layers, n_head=heads,
+            n_inner=inter, n_positions=max_positions, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0, bos_token_id=vocab_size - 1, eos_token_id=vocab_size - 1, **extra)
+    classes = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+               "mistral": transformers.MistralConfig}
+    if kind not in classes:
+        raise LoopConfigError(f"model family {kind!r}: supported {', '.join(MODEL_FAMILIES)}")
+    return classes[kind](
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=inter,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+        max_position_embeddings=max_positions, attention_dropout=0.0, **extra)
 
 
-def _seeded(seed: int, build: Callable[[], nn.Module]) -> nn.Module:
+def seeded(seed: int, build: Callable[[], nn.Module]) -> nn.Module:
+    """``build()`` under ``torch.manual_seed(seed)``, leaving the global RNG as it was."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         return build()
 
 
+def build_causal_lm(config: Any, seed: int = 0) -> nn.Module:
+    """A randomly initialised causal LM (Actor or Ref), in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return seeded(seed, lambda: AutoModelForCausalLM.from_config(config)).eval()
+
+
+def build_value_model(config: Any, seed: int = 0) -> CriticModel:
+    """A randomly initialised value model (Critic or Reward: backbone + scalar head), eval mode."""
+    return seeded(seed, lambda: CriticModel.from_config(config)).eval()
+
+
+# The keys a model source config may use, and tiny_config's names for them.
+_SOURCE_KEYS = {"family": "kind", "hidden": "hidden_size", "layers": "layers", "heads": "heads",
+                "kv_heads": "kv_heads", "vocab_size": "vocab_size", "tie": "tie",
+                "intermediate_size": "intermediate_size", "max_positions": "max_positions"}
+
+
 def _config_of(src: Mapping[str, Any], vocab_size: int) -> tuple[Any, int]:
     kw = dict(src)
     seed = int(kw.pop("seed", 0))
-    family = kw.pop("family", "llama")
-    return tiny_lm_config(int(kw.pop("vocab_size", vocab_size)), family, **kw), seed
+    unknown = sorted(set(kw) - set(_SOURCE_KEYS))
+    if unknown:
+        raise LoopConfigError(f"model config: unknown keys {unknown}; known: "
+                              f"{sorted([*_SOURCE_KEYS, 'seed'])}")
+    args = {"vocab_size": vocab_size, "max_positions": 2048,
+            **{_SOURCE_KEYS[k]: v for k, v in kw.items()}}
+    return tiny_config(**args), seed
 
 
 def causal_lm(src: ModelSource, vocab_size: int, seed: int = 0) -> nn.Module:
@@ -111,7 +151,7 @@ def causal_lm(src: ModelSource, vocab_size: int, seed: int = 0) -> nn.Module:
 
     if isinstance(src, Mapping):
         config, s = _config_of(src, vocab_size)
-        return _seeded(seed + s, lambda: AutoModelForCausalLM.from_config(config))
+        return build_causal_lm(config, seed + s)
     return AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
 
 
@@ -121,9 +161,9 @@ def value_model(src: ModelSource, vocab_size: int, seed: int = 0) -> CriticModel
 
     if isinstance(src, Mapping):
         config, s = _config_of(src, vocab_size)
-        return _seeded(seed + s, lambda: CriticModel(AutoModel.from_config(config)))
+        return build_value_model(config, seed + s)
     backbone = AutoModel.from_pretrained(src, torch_dtype=torch.float32)
-    return _seeded(seed, lambda: CriticModel(backbone))
+    return seeded(seed, lambda: CriticModel(backbone))
 
 
 def vowel_fraction(prompt: str, response: str, *, window: int = 8) -> float:

@@ -13,7 +13,7 @@ import copy
 import json
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -187,5 +187,3 @@ def _jsonl(row: dict[str, float], cfg: RLHFConfig) -> dict[str, Any]:
         **{k: v for k, v in row.items() if k != "iteration"},
     }
 
-
-Callback = Callable[[int, dict[str, float]], None]

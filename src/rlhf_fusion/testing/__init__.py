@@ -9,8 +9,8 @@ can pickle it by reference.
 =========================  ===================================================================
 submodule                  what
 =========================  ===================================================================
-``testing.models``         ``tiny_config``, ``build_causal_lm``, ``build_value_model``,
-                           ``build_models`` (never downloaded; same seed, same weights)
+``testing.models``         ``tiny_config``, ``build_causal_lm``, ``build_value_model`` (re-
+                           exported from ``loop.models``), ``build_models``
 ``testing.pipeline``       ``make_experience``, ``Case``, ``run_reference``,
                            ``exactness_worker``, ``fault_worker``, ``max_abs_diff``, ...
 ``testing.lightning``      ``TinyPPOModule``, ``ExperienceDataset``, ``full_state``
