@@ -1,0 +1,86 @@
+"""Which rlhf-fusion plugins a TRL trainer runs (:class:`FusionConfig`). Imports no torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+from typing import Literal
+
+__all__ = ["FusionConfig", "FusionConfigError"]
+
+
+class FusionConfigError(ValueError):
+    """A FusionConfig that cannot run; the message names the field and the fix."""
+
+
+@dataclass(frozen=True)
+class FusionConfig:
+    """The plugins of a fused TRL trainer. The default turns every plugin on;
+    :meth:`off` turns every plugin off and reproduces the stock trainer.
+
+    - ``stream``: generate with our continuous-batching backend and score each finished sample
+      (Ref, Reward, Critic, reward functions) while the rest still decode, instead of
+      ``model.generate`` on the padded batch followed by scoring.
+    - ``migrate``: with several processes, move the long tail to fewer processes when fewer
+      than R_t samples are still decoding (``rt``: a fraction of the batch, or ``"auto"`` for
+      the planner's choice) by ``mechanism`` (``"kv"``, ``"tokens"`` or ``"auto"``).
+    - ``gae``: advantages by the blocked-matrix GAE kernel instead of TRL's reverse loop.
+    - ``trim_padding``: each training micro-batch is cut to its own longest response rather
+      than the batch's (the masked loss is unchanged; the padded columns cost nothing).
+    - ``pipeline_stages``: more than 1 runs Actor and Critic as one fused pipeline (needs as
+      many processes per replica).
+    - ``backend``: ``"reference"`` (transformers, any device) or ``"vllm"`` (where installed).
+    - ``max_batch_size``: BS_max of a generation instance; ``generation_dtype``: the dtype of
+      the generation copy of the Actor (``"float32"`` or ``"float64"``).
+    """
+
+    stream: bool = True
+    migrate: bool = True
+    rt: float | Literal["auto"] = "auto"
+    mechanism: Literal["kv", "tokens", "auto"] = "auto"
+    gae: bool = True
+    trim_padding: bool = True
+    pipeline_stages: int = 1
+    backend: Literal["reference", "vllm"] = "reference"
+    max_batch_size: int = 64
+    generation_dtype: Literal["float32", "float64"] = "float32"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    @classmethod
+    def off(cls) -> FusionConfig:
+        """Every plugin off: the stock trainer's behaviour, step for step."""
+        return cls(stream=False, migrate=False, gae=False, trim_padding=False)
+
+    def with_(self, **changes: object) -> FusionConfig:
+        """A copy with ``changes`` (``FusionConfig.off().with_(gae=True)``)."""
+        known = {f.name for f in fields(self)}
+        bad = sorted(set(changes) - known)
+        if bad:
+            raise FusionConfigError(f"unknown FusionConfig field(s) {bad}; known: {sorted(known)}")
+        return replace(self, **changes)  # type: ignore[arg-type]
+
+    @property
+    def any_on(self) -> bool:
+        return self.stream or self.gae or self.trim_padding or self.pipeline_stages > 1
+
+    def validate(self) -> None:
+        if self.rt != "auto" and not (isinstance(self.rt, (int, float)) and 0 < self.rt <= 1):
+            raise FusionConfigError(
+                f"rt={self.rt!r}: give a fraction of the batch in (0, 1], e.g. 0.25, or 'auto'")
+        if self.mechanism not in ("kv", "tokens", "auto"):
+            raise FusionConfigError(
+                f"mechanism={self.mechanism!r}: use 'kv', 'tokens' or 'auto'")
+        if self.backend not in ("reference", "vllm"):
+            raise FusionConfigError(f"backend={self.backend!r}: use 'reference' or 'vllm'")
+        if self.pipeline_stages < 1:
+            raise FusionConfigError(f"pipeline_stages={self.pipeline_stages}: must be >= 1")
+        if self.max_batch_size < 1:
+            raise FusionConfigError(f"max_batch_size={self.max_batch_size}: must be >= 1")
+        if self.generation_dtype not in ("float32", "float64"):
+            raise FusionConfigError(
+                f"generation_dtype={self.generation_dtype!r}: use 'float32' or 'float64'")
+        if self.migrate and not self.stream:
+            raise FusionConfigError(
+                "migrate=True needs stream=True (migration moves samples between our "
+                "generation backends); set stream=True or migrate=False")

@@ -1,0 +1,565 @@
+"""``FusedPPOTrainer``: a drop-in for trl 1.12's ``PPOTrainer`` with rlhf-fusion's plugins.
+
+Change one import::
+
+    from rlhf_fusion.integrations.trl import FusedPPOTrainer as PPOTrainer, PPOConfig
+
+and pass ``fusion=FusionConfig(...)`` to pick plugins (all on by default). The constructor,
+``PPOConfig``, logged metric names and checkpoints are TRL's; ``FusionConfig.off()`` runs the
+stock algorithm step for step. One iteration, top to bottom (:meth:`FusedPPOTrainer.train`):
+
+1. rollout: ``padded_rollout`` (stock) or ``streamed_rollout`` (continuous batching, each
+   finished sample scored while the rest decode, long-tail migration across processes);
+2. experience: masks, KL-penalised rewards, GAE (reverse loop or the kernel), whitening;
+3. PPO epochs x mini-batches x micro-batches (trimmed to their own longest response when
+   ``trim_padding``), one optimizer step per mini-batch via gradient accumulation;
+4. metrics (TRL's names plus ``time/*``, ``samples_per_s`` and response-length percentiles).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from transformers import TrainerState
+
+from .experience import PPOExperience, make_experience, micro_loss
+from .fusion import FusionConfig, FusionConfigError
+from .ppo_config import PPOConfig
+from .rollout import (
+    PPORollout,
+    RowScorer,
+    assemble,
+    lm_forward,
+    padded_rollout,
+    sample_specs,
+)
+
+try:
+    from trl.trainer.base_trainer import _BaseTrainer
+except ImportError as e:  # pragma: no cover - the [trl] extra is missing
+    raise ImportError(
+        "rlhf_fusion.integrations.trl needs TRL 1.12-1.16: pip install 'rlhf-fusion[trl]'"
+    ) from e
+
+__all__ = ["FusedPPOTrainer", "PolicyAndValueWrapper"]
+
+
+class PolicyAndValueWrapper(nn.Module):
+    """Actor and Critic as one module (TRL's layout: ``policy.*`` and ``value_model.*``
+    parameter names, so checkpoints load in either trainer)."""
+
+    def __init__(self, policy: nn.Module, value_model: nn.Module) -> None:
+        super().__init__()
+        self.policy = policy
+        self.value_model = value_model
+        self.critic_backbone = getattr(value_model, value_model.base_model_prefix)
+        self.is_gradient_checkpointing = getattr(policy, "is_gradient_checkpointing", False)
+
+    def gradient_checkpointing_enable(self, **kwargs: Any) -> None:
+        self.policy.gradient_checkpointing_enable(**kwargs)
+        self.is_gradient_checkpointing = True
+
+    def gradient_checkpointing_disable(self) -> None:
+        self.policy.gradient_checkpointing_disable()
+        self.is_gradient_checkpointing = False
+
+    def forward(self, **kwargs: Any) -> tuple[Any, torch.Tensor]:
+        output = self.critic_backbone(**kwargs)
+        return self.policy(**kwargs), self.value_model.score(output.hidden_states[-1])
+
+
+def _exact_div(a: int, b: int, what: str) -> int:
+    if a % b:
+        raise ValueError(f"{what}, inexact division: {a} / {b} = {a / b}")
+    return a // b
+
+
+class FusedPPOTrainer(_BaseTrainer):
+    """trl 1.12's ``PPOTrainer`` contract on rlhf-fusion's loop (see the module docstring)."""
+
+    _tag_names = ["trl", "ppo", "rlhf-fusion"]
+    _name = "PPO"
+
+    def __init__(
+        self,
+        args: PPOConfig,
+        processing_class: Any,
+        model: nn.Module,
+        ref_model: nn.Module | None,
+        reward_model: nn.Module,
+        train_dataset: Any,
+        value_model: nn.Module,
+        data_collator: Any = None,
+        eval_dataset: Any = None,
+        optimizers: tuple[Any, Any] = (None, None),
+        callbacks: list[Any] | None = None,
+        peft_config: Any = None,
+        *,
+        fusion: FusionConfig | None = None,
+    ) -> None:
+        from accelerate import Accelerator
+        from torch.utils.data import DataLoader
+        from transformers import DataCollatorWithPadding
+        from transformers.integrations import get_reporting_integration_callbacks
+        from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
+        from transformers.trainer_callback import (
+            CallbackHandler,
+            ExportableState,
+            PrinterCallback,
+            TrainerControl,
+        )
+        from trl.models.utils import create_reference_model
+        from trl.trainer.utils import disable_dropout_in_model
+
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required")
+        if ref_model is model:
+            raise ValueError("`model` and `ref_model` cannot be the same object; pass a copy, "
+                             "or None for a frozen copy of `model`")
+        if peft_config is not None:
+            raise NotImplementedError(
+                "FusedPPOTrainer does not take peft_config yet: merge the adapter into the "
+                "model first, or use FusionConfig.off() with trl 1.12's own PPOTrainer")
+        self.fusion = fusion if fusion is not None else FusionConfig()
+        if self.fusion.pipeline_stages > 1:
+            raise FusionConfigError(
+                "pipeline_stages > 1 is not wired into FusedPPOTrainer yet; use "
+                "rlhf_fusion.loop (rlhf-fusion train) for the fused Actor/Critic pipeline, or "
+                "set pipeline_stages=1")
+        if self.fusion.backend == "vllm":
+            raise FusionConfigError(
+                "backend='vllm' is not wired into FusedPPOTrainer yet; use backend='reference'")
+        self.args = args
+        self.processing_class = processing_class
+        self.policy_model = model
+        if data_collator is None:
+            data_collator = DataCollatorWithPadding(processing_class)
+        if args.stop_token and args.stop_token_id:
+            raise ValueError("You cannot set both `stop_token` and `stop_token_id`.")
+        if args.stop_token and args.stop_token != "eos":
+            raise ValueError(f"Unknown `stop_token` {args.stop_token}. Allowed values are: "
+                             "`'eos'` and `None` (no stop token).")
+        self.stop_token_id = (processing_class.eos_token_id if args.stop_token == "eos"
+                              else args.stop_token_id)
+        self.policy_model.generation_config.eos_token_id = self.stop_token_id
+        if args.kl_estimator not in {"k1", "k3"}:
+            raise ValueError("kl_estimator must be either 'k1' or 'k3'")
+
+        self.is_peft_model = False
+        self.ref_model = ref_model if ref_model else create_reference_model(self.policy_model)
+        self.reward_model = reward_model
+        self.train_dataset = train_dataset
+        self.train_dataset_len = len(train_dataset)
+        self.value_model = value_model
+        self.data_collator = data_collator
+        self.eval_dataset = eval_dataset
+        self.optimizer, self.lr_scheduler = optimizers
+        self.optimizer_cls_and_kwargs = None
+
+        if args.total_episodes is None:
+            args.total_episodes = int(args.num_train_epochs * self.train_dataset_len)
+        accelerator = Accelerator(gradient_accumulation_steps=args.gradient_accumulation_steps)
+        self.accelerator = accelerator
+        args.world_size = accelerator.num_processes
+        args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        args.micro_batch_size = int(args.per_device_train_batch_size * args.world_size)
+        args.batch_size = int(args.local_batch_size * args.world_size)
+        args.mini_batch_size = _exact_div(args.batch_size, args.num_mini_batches,
+                                          "`batch_size` must be a multiple of `num_mini_batches`")
+        args.local_mini_batch_size = _exact_div(
+            args.local_batch_size, args.num_mini_batches,
+            "`local_batch_size` must be a multiple of `num_mini_batches`")
+        if args.whiten_rewards and args.local_mini_batch_size < 8:
+            raise ValueError(f"Per-rank minibatch size {args.local_mini_batch_size} is "
+                             "insufficient for whitening")
+        args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
+        self.local_seed = args.seed + accelerator.process_index * 100003
+        if args.num_sample_generations > 0:
+            self.sample_generations_freq = max(1, args.num_total_batches
+                                               // args.num_sample_generations)
+        self.local_dataloader_batch_size = args.local_batch_size
+
+        for module in (self.policy_model, self.ref_model, self.value_model, self.reward_model):
+            disable_dropout_in_model(module)
+        self.model = PolicyAndValueWrapper(self.policy_model, self.value_model)
+        self.model.config = self.policy_model.config
+        self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
+
+        default_callbacks = DEFAULT_CALLBACKS + get_reporting_integration_callbacks(args.report_to)
+        self.callbacks = default_callbacks if callbacks is None else default_callbacks + callbacks
+        self.callback_handler = CallbackHandler(self.callbacks, self.model, processing_class,
+                                                self.optimizer, self.lr_scheduler)
+        self.add_callback(PrinterCallback if args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK)
+        self.control = TrainerControl()
+        self.state = OnlineTrainerState(
+            is_local_process_zero=self.is_local_process_zero(),
+            is_world_process_zero=self.is_world_process_zero(),
+            stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control]
+                                if isinstance(cb, ExportableState)])
+        self.current_flos = 0
+        self.hp_search_backend = None
+        self.is_deepspeed_enabled = getattr(accelerator.state, "deepspeed_plugin", None) is not None
+        self.is_fsdp_enabled = getattr(accelerator.state, "fsdp_plugin", None) is not None
+        self.hub_model_id = None
+        if args.push_to_hub:
+            self.init_hf_repo()
+        if args.should_save:
+            os.makedirs(args.output_dir, exist_ok=True)
+        if hasattr(self.model, "add_model_tags"):
+            self.model.add_model_tags(self._tag_names)
+
+        self.dataloader = DataLoader(self.train_dataset, batch_size=args.local_batch_size,
+                                     shuffle=True, collate_fn=data_collator, drop_last=True)
+        # The same seeding protocol as TRL: the shuffle order is shared, then each process
+        # reseeds for its own sampling.
+        torch.manual_seed(args.seed)
+        self.model, self.optimizer, self.dataloader = accelerator.prepare(
+            self.model, self.optimizer, self.dataloader)
+        torch.manual_seed(self.local_seed)
+        self.eval_dataloader = None
+        if eval_dataset is not None:
+            self.eval_dataloader = accelerator.prepare(DataLoader(
+                eval_dataset, batch_size=args.per_device_eval_batch_size,
+                collate_fn=data_collator, drop_last=True))
+        if self.is_deepspeed_enabled:
+            raise NotImplementedError("FusedPPOTrainer does not support DeepSpeed yet")
+        self.ref_model = self.ref_model.to(accelerator.device)
+        self.reward_model = self.reward_model.to(accelerator.device)
+        self._backend: Any = None
+        self._rt_planner: Any = None
+
+    # -- TRL plumbing ---------------------------------------------------------------------------
+    def get_train_dataloader(self) -> Any:
+        return self.dataloader
+
+    def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
+        return self.eval_dataloader
+
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
+        # Only the policy is saved for inference, as TRL does.
+        backup = self.model
+        if hasattr(self.model, "policy"):
+            self.model = self.model.policy
+        try:
+            super().save_model(output_dir, _internal_call)
+        finally:
+            self.model = backup
+
+    # -- one PPO iteration ----------------------------------------------------------------------
+    def train(self) -> None:  # type: ignore[override]
+        args = self.args
+        accelerator = self.accelerator
+        device = accelerator.device
+        self._generation_kwargs = {"max_new_tokens": args.response_length,
+                                   "temperature": args.temperature + 1e-7, "top_k": 0.0,
+                                   "top_p": 1.0, "do_sample": True}
+        stats_shape = (args.num_ppo_epochs, args.num_mini_batches,
+                       args.gradient_accumulation_steps)
+        self._stats = {k: torch.zeros(stats_shape, device=device) for k in (
+            "approxkl", "pg_clipfrac", "pg_loss", "vf_loss", "vf_clipfrac", "entropy", "ratio")}
+        self.model.train()
+        self.state.global_step = 0
+        self.state.episode = 0
+        self.state.max_steps = args.num_total_batches
+        self.state.num_train_epochs = args.total_episodes / self.train_dataset_len
+        for name in ("logging_steps", "eval_steps", "save_steps"):
+            value = getattr(args, name)
+            if value is not None:
+                setattr(self.state, name, math.ceil(self.state.max_steps * value)
+                        if value < 1 else value)
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+
+        def batches() -> Any:
+            while True:
+                yield from self.dataloader
+
+        batch_iter = iter(batches())
+        start = time.time()
+        for update in range(1, args.num_total_batches + 1):
+            self.state.episode += args.batch_size
+            queries = next(batch_iter)["input_ids"].to(device)
+            t0 = time.perf_counter()
+            rollout = self._rollout(queries, update)
+            exp = self._experience(rollout)
+            t1 = time.perf_counter()
+            self._ppo_epochs(rollout, exp)
+            t2 = time.perf_counter()
+            self._log_iteration(rollout, exp, start, timings={
+                "time/generation": rollout.gen_s, "time/inference": rollout.inf_s,
+                "time/experience": t1 - t0 - rollout.gen_s - rollout.inf_s,
+                "time/training": t2 - t1, "time/iteration": t2 - t0})
+            self.lr_scheduler.step()
+            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            if self.control.should_save:
+                self._save_checkpoint(self.model, trial=None)
+                self.control = self.callback_handler.on_save(args, self.state, self.control)
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        if self.control.should_save:
+            self._save_checkpoint(self.model, trial=None)
+            self.control = self.callback_handler.on_save(args, self.state, self.control)
+
+    # 1. rollout ---------------------------------------------------------------------------------
+    def _rollout(self, queries: torch.Tensor, update: int) -> PPORollout:
+        from transformers import GenerationConfig
+        from trl.models.utils import unwrap_model_for_generation
+
+        args = self.args
+        pad_id = self.processing_class.pad_token_id
+        unwrapped = self.accelerator.unwrap_model(self.model)
+        if not self.fusion.stream:
+            with unwrap_model_for_generation(
+                    self.model, self.accelerator,
+                    gather_deepspeed3_params=args.ds3_gather_for_generation,
+                    generation_kwargs=self._generation_kwargs) as gen_model:
+                return padded_rollout(
+                    policy=gen_model.policy, ref=self.ref_model,
+                    critic=unwrapped.value_model, reward=self.reward_model,
+                    queries=queries, generation_config=GenerationConfig(**self._generation_kwargs),
+                    chunk=args.local_rollout_forward_batch_size, pad_id=pad_id,
+                    stop_id=self.stop_token_id, temperature=args.temperature)
+        return self._streamed_rollout(queries, update, unwrapped)
+
+    def _generation_backend(self, policy: nn.Module) -> Any:
+        from ...rollout.reference import ReferenceBackend
+
+        if self._backend is None:
+            dtype = getattr(torch, self.fusion.generation_dtype)
+            # The generation copy of the Actor: its own dtype and attention, weights synced
+            # from the training copy before every rollout.
+            self._backend = ReferenceBackend(
+                copy.deepcopy(policy), instance_id=self.accelerator.process_index,
+                max_batch_size=self.fusion.max_batch_size, dtype=dtype,
+                device=self.accelerator.device)
+        with torch.no_grad():
+            self._backend.update_weights(policy.state_dict())
+        return self._backend
+
+    @torch.no_grad()
+    def _streamed_rollout(self, queries: torch.Tensor, update: int, unwrapped: Any
+                          ) -> PPORollout:
+        args = self.args
+        pad_id = self.processing_class.pad_token_id
+        fill_id = self.policy_model.generation_config.pad_token_id
+        fill_id = pad_id if fill_id is None else fill_id
+        world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        t0 = time.perf_counter()
+        backend = self._generation_backend(unwrapped.policy)
+        t_sync = time.perf_counter() - t0
+        b = queries.shape[0]
+        # Sample i of process r is global sample i * world + r: run_rollout's shard of r.
+        my_ids = [i * world + rank for i in range(b)]
+        seed = self.local_seed * 1_000_003 + update
+        stop = () if self.stop_token_id is None else (int(self.stop_token_id),)
+        gen = dict(pad_id=pad_id, max_new_tokens=args.response_length,
+                   temperature=args.temperature, stop_ids=stop)
+        if world > 1:
+            rows = [None] * world
+            dist.all_gather_object(rows, queries.cpu())
+            specs, query_rows = [], {}
+            for r, q in enumerate(rows):
+                ids = [i * world + r for i in range(q.shape[0])]
+                specs += sample_specs(q, ids=ids, seed=self.args.seed * 1_000_003 + update
+                                      + 7919 * r, **gen)
+                query_rows.update({sid: q[j] for j, sid in enumerate(ids)})
+        else:
+            specs = sample_specs(queries, ids=my_ids, seed=seed, **gen)
+            query_rows = {sid: queries[j].cpu() for j, sid in enumerate(my_ids)}
+        scorer = RowScorer(ref=self.ref_model, critic=unwrapped.value_model,
+                           reward=self.reward_model, query_rows=query_rows, pad_id=pad_id,
+                           fill_id=fill_id, stop_id=self.stop_token_id,
+                           temperature=args.temperature,
+                           micro_batch=max(1, min(8, args.local_rollout_forward_batch_size)))
+        stats: dict[str, Any] = {"time/weight_sync": t_sync}
+        if world > 1 and self.fusion.migrate:
+            scored = self._migrating_rollout(backend, scorer, specs, stats)
+        else:
+            scored = self._local_stream(backend, scorer, specs if world == 1 else
+                                        [s for s in specs if s.sample_id in set(my_ids)])
+        mine = {s.sample_id: s for s in scored}
+        ordered = [mine[i] for i in my_ids]
+        qr, lp, ref, val, scores = assemble(queries, ordered, fill_id=fill_id, pad_id=pad_id,
+                                            chunk=args.local_rollout_forward_batch_size)
+        dev = queries.device
+        total = time.perf_counter() - t0
+        return PPORollout(qr.to(dev), lp.to(dev), ref.to(dev), val.to(dev), scores.to(dev),
+                          queries.shape[1], gen_s=total - scorer.seconds, inf_s=scorer.seconds,
+                          stats=stats)
+
+    def _local_stream(self, backend: Any, scorer: RowScorer, specs: list[Any]) -> list[Any]:
+        """Decode, and score each micro-batch of finished samples between decode steps."""
+        backend.submit(specs)
+        done: list[Any] = []
+        scored: list[Any] = []
+        while backend.unfinished():
+            done.extend(backend.step())
+            if len(done) >= scorer.micro_batch:
+                scored.extend(scorer.score(done))
+                done = []
+        scored.extend(scorer.score(done))
+        return scored
+
+    def _migrating_rollout(self, backend: Any, scorer: RowScorer, specs: list[Any],
+                           stats: dict[str, Any]) -> list[Any]:
+        from ...loop.rt import TimedBackend
+        from ...rollout.config import RolloutConfig
+        from ...rollout.distributed import run_rollout
+
+        timed = TimedBackend(backend)
+        rt = self._rt(len(specs))
+        cfg = RolloutConfig(fused=True, rt=rt, mechanism=self.fusion.mechanism, report_every=4)
+        out = run_rollout(timed, scorer, specs, cfg, bs_max=self.fusion.max_batch_size)
+        if self._rt_planner is not None:
+            self._rt_planner.observe([len(r.token_ids) for r in out.results], timed,
+                                     scorer.calls, prompt_len=float(np.mean(
+                                         [len(s.prompt_ids) for s in specs])))
+        stats["fusion/rt"] = rt
+        stats["fusion/migrated"] = len(out.assignment.moved_ids) if out.assignment else 0
+        return list(out.experience or [])
+
+    def _rt(self, batch: int) -> int:
+        if self.fusion.rt != "auto":
+            return max(1, round(float(self.fusion.rt) * batch))
+        if self._rt_planner is None:
+            from ...loop.rt import RtPlanner
+
+            self._rt_planner = RtPlanner(_RtSettings(batch, self.fusion.max_batch_size),
+                                         self.accelerator.num_processes)
+        return self._rt_planner.rt()
+
+    # 2. experience ------------------------------------------------------------------------------
+    def _experience(self, rollout: PPORollout) -> PPOExperience:
+        a = self.args
+        return make_experience(
+            responses=rollout.responses, logprobs=rollout.logprobs,
+            ref_logprobs=rollout.ref_logprobs, values=rollout.values, scores=rollout.scores,
+            pad_id=self.processing_class.pad_token_id,
+            eos_id=self.processing_class.eos_token_id, stop_id=self.stop_token_id,
+            kl_coef=a.kl_coef, kl_estimator=a.kl_estimator,
+            missing_eos_penalty=a.missing_eos_penalty, whiten_rewards=a.whiten_rewards,
+            gamma=a.gamma, lam=a.lam, use_kernel=self.fusion.gae)
+
+    # 3. PPO epochs ------------------------------------------------------------------------------
+    def _ppo_epochs(self, rollout: PPORollout, exp: PPOExperience) -> None:
+        a = self.args
+        ctx = rollout.context_length
+        pad_id = self.processing_class.pad_token_id
+        full_r = exp.responses.shape[1]
+        st = self._stats
+        for epoch in range(a.num_ppo_epochs):
+            order = np.random.permutation(a.local_batch_size)
+            for mb_idx, mb_start in enumerate(range(0, a.local_batch_size,
+                                                    a.local_mini_batch_size)):
+                mini = order[mb_start: mb_start + a.local_mini_batch_size]
+                for ga_idx, micro_start in enumerate(range(0, a.local_mini_batch_size,
+                                                           a.per_device_train_batch_size)):
+                    with self.accelerator.accumulate(self.model):
+                        inds = mini[micro_start: micro_start + a.per_device_train_batch_size]
+                        # Columns past every sample's Critic position are masked everywhere
+                        # in the loss: cutting them changes no loss term.
+                        r = (min(full_r, int(exp.sequence_lengths[inds].max()) + 2)
+                             if self.fusion.trim_padding else full_r)
+                        output, vpred = lm_forward(
+                            self.model, rollout.query_responses[inds, : ctx + r], pad_id)
+                        out = micro_loss(
+                            logits=output.logits[:, ctx - 1: -1],
+                            vpred=vpred[:, ctx - 1: -1].squeeze(-1),
+                            responses=exp.responses[inds, :r],
+                            old_logprobs=exp.logprobs[inds, :r],
+                            old_values=exp.values[inds, :r],
+                            advantages=exp.advantages[inds, :r], returns=exp.returns[inds, :r],
+                            padding_mask=exp.padding_mask[inds, :r],
+                            padding_mask_p1=exp.padding_mask_p1[inds, :r],
+                            temperature=a.temperature, cliprange=a.cliprange,
+                            cliprange_value=a.cliprange_value, vf_coef=a.vf_coef)
+                        self.accelerator.backward(out.loss)
+                        self.optimizer.step()
+                        self.optimizer.zero_grad()
+                        with torch.no_grad():
+                            # Trimmed columns hold diff 0 and ratio 1 exactly: rescale the
+                            # means to the full width so the logged values match stock TRL.
+                            scale = r / full_r
+                            at = (epoch, mb_idx, ga_idx)
+                            lg = out.logits
+                            entropy = (torch.logsumexp(lg, dim=-1)
+                                       - torch.sum(torch.softmax(lg, dim=-1) * lg, dim=-1))
+                            st["approxkl"][at] = 0.5 * (out.logprobs_diff ** 2).mean() * scale
+                            st["pg_clipfrac"][at] = out.pg_clipfrac
+                            st["pg_loss"][at] = out.pg_loss
+                            st["vf_loss"][at] = out.vf_loss
+                            st["vf_clipfrac"][at] = out.vf_clipfrac
+                            st["entropy"][at] = entropy.mean()
+                            st["ratio"][at] = (out.ratio.mean() * scale + (1 - scale)
+                                               if r < full_r else out.ratio.mean())
+
+    # 4. metrics ---------------------------------------------------------------------------------
+    @torch.no_grad()
+    def _log_iteration(self, rollout: PPORollout, exp: PPOExperience, start: float,
+                       timings: dict[str, float]) -> None:
+        gather = self.accelerator.gather_for_metrics
+        st = self._stats
+        mean_kl = exp.kl.sum(1).mean()
+        mean_entropy = ((-exp.logprobs) * (~exp.padding_mask).float()).sum(1).mean()
+        mean_non_score = exp.non_score_reward.sum(1).mean()
+        rlhf_reward = mean_non_score + exp.scores.mean()
+        lengths = (exp.sequence_lengths + 1).float()
+        all_lengths = gather(lengths)
+        q = torch.quantile(all_lengths, torch.tensor([0.5, 0.9, 0.99], device=lengths.device))
+        metrics: dict[str, float] = {
+            "eps": int(self.state.episode / (time.time() - start)),
+            "objective/kl": gather(mean_kl).mean().item(),
+            "objective/entropy": gather(mean_entropy).mean().item(),
+            "objective/non_score_reward": gather(mean_non_score).mean().item(),
+            "objective/rlhf_reward": gather(rlhf_reward).mean().item(),
+            "objective/scores": gather(exp.scores.mean()).mean().item(),
+            "policy/approxkl_avg": gather(st["approxkl"]).mean().item(),
+            "policy/clipfrac_avg": gather(st["pg_clipfrac"]).mean().item(),
+            "loss/policy_avg": gather(st["pg_loss"]).mean().item(),
+            "loss/value_avg": gather(st["vf_loss"]).mean().item(),
+            "val/clipfrac_avg": gather(st["vf_clipfrac"]).mean().item(),
+            "policy/entropy_avg": gather(st["entropy"]).mean().item(),
+            "val/ratio": gather(st["ratio"]).mean().item(),
+            "val/ratio_var": gather(st["ratio"]).var().item(),
+            "val/num_eos_tokens": (exp.responses
+                                   == self.processing_class.eos_token_id).sum().item(),
+            "lr": self.lr_scheduler.get_last_lr()[0],
+            "episode": self.state.episode,
+            "response_length/mean": all_lengths.mean().item(),
+            "response_length/p50": q[0].item(),
+            "response_length/p90": q[1].item(),
+            "response_length/p99": q[2].item(),
+            "samples_per_s": self.args.batch_size / max(timings["time/iteration"], 1e-9),
+            **timings, **rollout.stats,
+        }
+        self.state.epoch = self.state.episode / self.train_dataset_len
+        self.state.global_step += 1
+        self.log(metrics)
+
+
+class _RtSettings:
+    """The slice of the loop's configuration :class:`~rlhf_fusion.loop.rt.RtPlanner` reads."""
+
+    def __init__(self, batch: int, bs_max: int) -> None:
+        from types import SimpleNamespace
+
+        self.generation = SimpleNamespace(prompts_per_iteration=batch, bs_max=bs_max,
+                                          kv_capacity_tokens=None)
+
+    def rt_samples(self, _: Any) -> None:
+        return None
+
+
+@dataclass
+class OnlineTrainerState(TrainerState):
+    """TRL's trainer state for online trainers: a ``TrainerState`` with an episode counter."""
+
+    episode: int = 0
+
