@@ -1,0 +1,75 @@
+"""GRPO with TRL, made faster by rlhf-fusion: the only change is the trainer's import.
+
+    python examples/trl_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct
+    python examples/trl_grpo.py --model ./my-local-model --max-steps 2
+
+The reward prefers answers of about 20 words that end a sentence; replace ``reward_len`` with
+your own reward functions (or reward model ids), as with TRL.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from datasets import Dataset
+from trl import GRPOConfig
+
+from rlhf_fusion.integrations.trl.grpo import FusedGRPOTrainer as GRPOTrainer
+
+PROMPTS = [
+    "Write a short sentence about the sea:",
+    "Describe a cat in a few words:",
+    "What is the capital of France?",
+    "Give me one tip for writing clearly:",
+    "Name a color and say why you like it:",
+    "Say something kind about mornings:",
+    "How do plants drink water?",
+    "Tell a one-line story about a dog:",
+]
+
+
+def reward_len(prompts, completions, **kwargs):
+    """About 20 words, ending a sentence."""
+    out = []
+    for c in completions:
+        words = len(c.split())
+        out.append(1.0 - min(abs(words - 20), 20) / 20 + (0.5 if c.strip().endswith(".") else 0.0))
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True, help="Hub id or local directory")
+    ap.add_argument("--output-dir", default="trl-grpo-run")
+    ap.add_argument("--max-steps", type=int, default=10)
+    ap.add_argument("--num-generations", type=int, default=4)
+    ap.add_argument("--batch-size", type=int, default=8, help="per-device train batch size")
+    ap.add_argument("--max-completion-length", type=int, default=32)
+    ap.add_argument("--beta", type=float, default=0.04)
+    ap.add_argument("--cpu", action="store_true", help="train on the CPU (float32)")
+    args = ap.parse_args()
+
+    dataset = Dataset.from_dict({"prompt": PROMPTS * 4})
+    config = GRPOConfig(
+        output_dir=args.output_dir,
+        max_steps=args.max_steps,
+        per_device_train_batch_size=args.batch_size,
+        num_generations=args.num_generations,
+        max_completion_length=args.max_completion_length,
+        beta=args.beta,
+        learning_rate=1e-5,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        bf16=not args.cpu,
+        use_cpu=args.cpu,
+    )
+    trainer = GRPOTrainer(model=args.model, reward_funcs=reward_len, args=config,
+                          train_dataset=dataset)
+    trainer.train()
+    rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
+    print(f"done: {trainer.state.global_step} steps, reward {rewards[0]:.3f} -> {rewards[-1]:.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,399 @@
+"""Generation through rlhf-fusion's backend with sample-level streaming, for TRL's GRPO and RLOO.
+
+:class:`FusedRolloutMixin` goes in front of ``GRPOTrainer``/``RLOOTrainer`` and overrides four
+seams; TRL's own ``_generate_and_score_completions`` still runs the whole step:
+
+- ``_generate_single_turn``: completions come from a :class:`ReferenceBackend` (continuous
+  batching over a paged KV cache) holding a copy of the policy, refreshed every call. While the
+  long tail decodes, each finished sample is scored in micro-batches between decode steps: the
+  Ref logprobs, the policy's "old" logprobs where TRL needs them, and the reward functions.
+- ``_get_per_token_logps_and_entropies`` and ``_calculate_rewards``: when TRL asks for exactly
+  the batch that was streamed (same completion tokens), they return the streamed numbers
+  instead of recomputing them; anything else goes to TRL unchanged.
+
+With several accelerate processes and ``fusion.migrate``, the rollout runs through
+:func:`rlhf_fusion.rollout.distributed.run_rollout`, which moves the long tail to fewer
+processes and lets the freed ones score (see :class:`_StreamScorer`).
+
+Padded completion positions: the streamed tensors hold real values on each completion's own
+tokens; positions past a completion's end (which TRL masks) hold :data:`REF_PAD_LOGP` (Ref) or
+0 (old), chosen so that TRL's ``exp(ref - logp)`` and ``exp(logp - old)`` stay finite there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import sys
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...rollout.reference import ReferenceBackend
+from ...rollout.sampling import derive_seed
+from ...rollout.types import SampleResult, SampleSpec
+from .compat import check_trl_seams
+from .fusion import FusionConfig, FusionConfigError
+
+__all__ = ["REF_PAD_LOGP", "FusedRolloutMixin"]
+
+REF_PAD_LOGP = -1.0e4
+"""Ref logprob at padded completion positions: ``exp(ref - logp)`` underflows to 0 there."""
+
+
+@dataclass
+class _Scored:
+    """What streaming computed for one sample (CPU tensors, so it pickles across ranks)."""
+
+    sample_id: int
+    rewards: torch.Tensor | None = None  # (num reward funcs,)
+    ref: torch.Tensor | None = None      # (completion length,)
+    old: torch.Tensor | None = None      # (completion length,)
+
+
+@dataclass
+class _Batch:
+    """The generation batch being streamed: TRL's inputs and, once generated, the results."""
+
+    inputs: list[dict[str, Any]]
+    offset: int = 0                  # sample id of inputs[0]
+    prompt_width: int = 0            # TRL's left-padded prompt width
+    results: list[SampleResult] = field(default_factory=list)
+    scored: dict[int, _Scored] = field(default_factory=dict)
+    completions: list[Any] | None = None
+    done: bool = False
+
+    def rows(self, role: str) -> list[torch.Tensor | None]:
+        return [getattr(self.scored.get(r.sample_id), role, None) for r in self.results]
+
+
+def _stock_module(stock: type) -> Any:
+    return sys.modules[stock.__module__]
+
+
+@contextlib.contextmanager
+def _local_gather(stock: type) -> Iterator[None]:
+    """TRL's ``_calculate_rewards`` ends in a cross-process ``gather``; a micro-batch scored by
+    one process alone must not enter that collective, so it is the identity meanwhile."""
+    module = _stock_module(stock)
+    real = module.gather
+    module.gather = lambda t: t
+    try:
+        yield
+    finally:
+        module.gather = real
+
+
+class FusedRolloutMixin:
+    """The seams shared by ``FusedGRPOTrainer`` and ``FusedRLOOTrainer`` (see the module doc).
+
+    Subclasses set ``_stock`` (the TRL class), ``_seams`` (for :func:`check_trl_seams`),
+    ``_returns_logprobs`` (GRPO's ``_generate_single_turn`` returns ``(ids, logprobs)``,
+    RLOO's only ids) and ``_needs_old_logps``.
+    """
+
+    _stock: type
+    _seams: Any
+    _returns_logprobs: bool
+
+    #: Score finished samples while the rest decode (False: generate everything first, then
+    #: score; the same numbers, what tests compare streaming against).
+    score_while_decoding: bool = True
+
+    def __init__(self, *args: Any, fusion: FusionConfig | None = None, **kwargs: Any) -> None:
+        check_trl_seams(self._stock, self._seams)
+        self.fusion = fusion if fusion is not None else FusionConfig()
+        super().__init__(*args, **kwargs)
+        self._fusion_backend: ReferenceBackend | None = None
+        self._fusion_round = 0
+        self._fusion_batch: _Batch | None = None
+        if self.fusion.stream:
+            self._check_streamable()
+
+    # -- configuration checks -----------------------------------------------------------------
+    def _check_streamable(self) -> None:
+        t: Any = self
+        bad = []
+        if getattr(t, "use_vllm", False):
+            bad.append("use_vllm=True (vLLM generates instead of our backend)")
+        if getattr(t, "use_transformers_continuous_batching", False):
+            bad.append("transformers continuous batching is on")
+        if getattr(t, "top_p", 1.0) not in (None, 1.0):
+            bad.append(f"top_p={t.top_p}")
+        if getattr(t, "top_k", None) not in (None, 0):
+            bad.append(f"top_k={t.top_k}")
+        if getattr(t, "min_p", None) not in (None, 0.0):
+            bad.append(f"min_p={t.min_p}")
+        if getattr(t, "repetition_penalty", 1.0) not in (None, 1.0):
+            bad.append(f"repetition_penalty={t.repetition_penalty}")
+        if getattr(t.args, "generation_kwargs", None):
+            bad.append(f"generation_kwargs={t.args.generation_kwargs}")
+        if self.fusion.backend != "reference":
+            bad.append(f"FusionConfig.backend={self.fusion.backend!r} (only 'reference' here)")
+        if bad:
+            raise FusionConfigError(
+                f"{type(self).__name__}: fusion.stream samples with temperature only, from "
+                f"rlhf-fusion's reference backend, but {'; '.join(bad)}. Use the default "
+                "sampling settings, or pass fusion=FusionConfig(stream=False, migrate=False) "
+                "to generate the stock way.")
+
+    def _streamable_batch(self, inputs: Sequence[dict[str, Any]]) -> bool:
+        """Batches whose reward inputs streaming reproduces: plain prompts, no tools,
+        environments, custom rollouts or images (those take TRL's scoring after generation)."""
+        t: Any = self
+        return bool(inputs) and "prompt" in inputs[0] and not (
+            getattr(t, "tools", None) or getattr(t, "environment_factories", None) is not None
+            or getattr(t, "rollout_func", None) is not None
+            or "image" in inputs[0] or "images" in inputs[0])
+
+    # -- seams ----------------------------------------------------------------------------------
+    def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+        if not self.fusion.stream or not self._streamable_batch(inputs):
+            return super()._generate_and_score_completions(inputs)  # type: ignore[misc]
+        self._fusion_batch = _Batch(inputs=list(inputs))
+        try:
+            return super()._generate_and_score_completions(inputs)  # type: ignore[misc]
+        finally:
+            self._fusion_batch = None
+
+    def _generate_single_turn(self, prompt_ids: list[list[int]], images: Any,
+                              multimodal_fields: Any, *args: Any, **kwargs: Any) -> Any:
+        if not self.fusion.stream or images is not None or multimodal_fields:
+            return super()._generate_single_turn(  # type: ignore[misc]
+                prompt_ids, images, multimodal_fields, *args, **kwargs)
+        batch = self._fusion_batch
+        if batch is not None and (batch.done or len(batch.inputs) != len(prompt_ids)):
+            batch = None  # a second turn (tool loop) or a foreign call: generate, don't score
+        results = self._fused_rollout(prompt_ids, batch)
+        completion_ids = [list(r.token_ids) for r in results]
+        return (completion_ids, None) if self._returns_logprobs else completion_ids
+
+    def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any,
+                           completion_ids_list: Any) -> torch.Tensor:
+        batch = self._fusion_batch
+        rows = batch.rows("rewards") if batch is not None and batch.done else []
+        if (rows and all(r is not None for r in rows) and completions == batch.completions
+                and [list(r.token_ids) for r in batch.results] == list(completion_ids_list)):
+            t: Any = self
+            local = torch.stack(rows).to(t.accelerator.device)  # type: ignore[arg-type]
+            return _stock_module(self._stock).gather(local)
+        return super()._calculate_rewards(  # type: ignore[misc]
+            inputs, prompts, completions, completion_ids_list)
+
+    def _get_per_token_logps_and_entropies(self, model: Any, input_ids: torch.Tensor,
+                                           attention_mask: torch.Tensor, logits_to_keep: int,
+                                           *args: Any, **kwargs: Any) -> Any:
+        cached = self._streamed_logps(model, input_ids, logits_to_keep, args, kwargs)
+        if cached is not None:
+            return cached, None, None
+        return super()._get_per_token_logps_and_entropies(  # type: ignore[misc]
+            model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
+
+    # -- the rollout ----------------------------------------------------------------------------
+    def _generation_backend(self) -> ReferenceBackend:
+        """A copy of the policy in the backend, with this step's weights pushed into it."""
+        t: Any = self
+        policy = t.accelerator.unwrap_model(t.model)
+        if self._fusion_backend is None:
+            dtype = getattr(torch, self.fusion.generation_dtype)
+            self._fusion_backend = ReferenceBackend(
+                copy.deepcopy(policy), instance_id=t.accelerator.process_index,
+                max_batch_size=self.fusion.max_batch_size, dtype=dtype,
+                device=t.accelerator.device)
+        else:
+            self._fusion_backend.update_weights(policy.state_dict())
+        return self._fusion_backend
+
+    def _sample_specs(self, prompt_ids: Sequence[Sequence[int]], offset: int) -> list[SampleSpec]:
+        t: Any = self
+        # Deterministic per run and per generation round; sample ids are global, so no two
+        # samples of a round (on any process) share their sampling noise.
+        seed = derive_seed(int(t.args.seed), self._fusion_round, 0)
+        stop = tuple(getattr(t, "eos_token_ids", None) or [t._tokenizer.eos_token_id])
+        return [SampleSpec(sample_id=offset + i, prompt_ids=tuple(p),
+                           max_new_tokens=int(t.max_completion_length), seed=seed,
+                           temperature=float(t.temperature), stop_token_ids=stop)
+                for i, p in enumerate(prompt_ids)]
+
+    def _fused_rollout(self, prompt_ids: list[list[int]], batch: _Batch | None
+                       ) -> list[SampleResult]:
+        t: Any = self
+        n = len(prompt_ids)
+        world, rank = t.accelerator.num_processes, t.accelerator.process_index
+        offset = rank * n
+        backend = self._generation_backend()
+        if batch is not None:
+            batch.offset = offset
+        if world > 1 and self.fusion.migrate:
+            from .migration import migrated_rollout
+
+            results = migrated_rollout(self, backend, prompt_ids, batch)
+        else:
+            specs = self._sample_specs(prompt_ids, offset)
+            scorer = _StreamScorer(self, batch, specs) if batch is not None else None
+            backend.submit(specs)
+            done: list[SampleResult] = []
+            pending: list[SampleResult] = []
+            stream = scorer is not None and self.score_while_decoding
+            while backend.unfinished():
+                finished = backend.step()
+                done.extend(finished)
+                pending.extend(finished)
+                if stream and len(pending) >= scorer.micro_batch:  # type: ignore[union-attr]
+                    scorer.score(pending)  # type: ignore[union-attr]
+                    pending = []
+            if scorer is not None:
+                scorer.score(pending)
+            results = sorted(done, key=lambda r: r.sample_id)
+        self._fusion_round += 1
+        if [r.sample_id for r in results] != list(range(offset, offset + n)):
+            raise RuntimeError(
+                f"{type(self).__name__}: the rollout returned samples "
+                f"{[r.sample_id for r in results][:8]}..., expected ids {offset}..{offset + n - 1}"
+                " exactly once; this is a bug in rlhf-fusion, please report it")
+        if batch is not None:
+            batch.results = results
+            batch.completions = [self._decode_completion(batch, r) for r in results]
+            batch.done = True
+        return results
+
+    # -- scoring --------------------------------------------------------------------------------
+    def _decode_completion(self, batch: _Batch, r: SampleResult) -> Any:
+        """The completion as TRL's ``_generate`` decodes it (plain text or one assistant turn)."""
+        from trl.data_utils import is_conversational
+
+        t: Any = self
+        text = t.processing_class.batch_decode([list(r.token_ids)], skip_special_tokens=True)[0]
+        prompt = batch.inputs[r.sample_id - batch.offset]["prompt"]
+        if is_conversational({"prompt": prompt}):
+            return [{"role": "assistant", "content": text}]
+        return text
+
+    def _needs_old_logps(self) -> bool:
+        """Whether TRL computes the policy's logprobs of the batch at generation time."""
+        return False
+
+    def _streamed_logps(self, model: Any, input_ids: torch.Tensor, logits_to_keep: int,
+                        args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+        batch = self._fusion_batch
+        t: Any = self
+        if batch is None or not batch.done or torch.is_grad_enabled():
+            return None
+        if kwargs.get("compute_entropy") or kwargs.get("compute_aux_loss") or len(args) > 1:
+            return None
+        if any(k in kwargs and kwargs[k] is not None for k in ("pixel_values", "token_type_ids",
+                                                               "mm_token_type_ids")):
+            return None
+        role = "ref" if model is t.ref_model and model is not None else (
+            "old" if model is t.model else None)
+        if role is None:
+            return None
+        rows = batch.rows(role)
+        if not rows or any(r is None for r in rows) or input_ids.size(0) != len(rows):
+            return None
+        fill = REF_PAD_LOGP if role == "ref" else 0.0
+        out = torch.full((len(rows), logits_to_keep), fill, dtype=rows[0].dtype)  # type: ignore[union-attr]
+        expect = torch.full((len(rows), logits_to_keep), -1, dtype=torch.long)
+        for i, (row, res) in enumerate(zip(rows, batch.results)):
+            k = len(res.token_ids)
+            if k > logits_to_keep:
+                return None
+            out[i, :k] = row  # type: ignore[index]
+            expect[i, :k] = torch.tensor(res.token_ids)
+        got = input_ids[:, -logits_to_keep:].cpu()
+        have = expect >= 0
+        if not torch.equal(got[have], expect[have]):
+            return None  # not the streamed batch (shuffled, filtered, ...): let TRL compute it
+        return out.to(input_ids.device)
+
+
+class _StreamScorer:
+    """Scores finished samples of one batch: Ref and old logprobs through TRL's own
+    ``_get_per_token_logps_and_entropies``, rewards through TRL's ``_calculate_rewards``.
+
+    Micro-batches follow TRL's layout (prompts left-padded to the batch's width, completions
+    right-padded, ``mask_truncated_completions`` applied), so a sample's numbers match TRL's
+    full-batch pass to float rounding. Also the scorer ``run_rollout`` drives across ranks.
+    """
+
+    def __init__(self, trainer: FusedRolloutMixin, batch: _Batch, specs: Sequence[SampleSpec],
+                 ) -> None:
+        t: Any = trainer
+        self.trainer = trainer
+        self.batch = batch
+        self.specs = {s.sample_id: s for s in specs}
+        self.micro_batch = max(1, int(t.args.per_device_train_batch_size))
+        mult = getattr(t, "pad_to_multiple_of", None)
+        width = max(len(s.prompt_ids) for s in specs)
+        batch.prompt_width = -(-width // mult) * mult if mult else width
+
+    def score(self, samples: Sequence[SampleResult]) -> list[_Scored]:
+        out: list[_Scored] = []
+        for i in range(0, len(samples), self.micro_batch):
+            out.extend(self._score(samples[i: i + self.micro_batch]))
+        for s in out:
+            self.batch.scored[s.sample_id] = s
+        return out
+
+    def _tensors(self, samples: Sequence[SampleResult]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        t: Any = self.trainer
+        pad = t._tokenizer.pad_token_id
+        width = max(len(s.token_ids) for s in samples)
+        p = self.batch.prompt_width
+        ids = torch.full((len(samples), p + width), pad, dtype=torch.long)
+        mask = torch.zeros_like(ids)
+        stops = set(getattr(t, "eos_token_ids", None) or [t._tokenizer.eos_token_id]) | {pad}
+        for i, s in enumerate(samples):
+            n = len(s.prompt_ids)
+            ids[i, p - n: p] = torch.tensor(s.prompt_ids)
+            mask[i, p - n: p] = 1
+            ids[i, p: p + len(s.token_ids)] = torch.tensor(s.token_ids)
+            truncated = s.token_ids[-1] not in stops
+            if not (t.mask_truncated_completions and truncated):
+                mask[i, p: p + len(s.token_ids)] = 1
+        dev = t.accelerator.device
+        return ids.to(dev), mask.to(dev), width
+
+    def _score(self, samples: Sequence[SampleResult]) -> list[_Scored]:
+        if not samples:
+            return []
+        t: Any = self.trainer
+        trainer = self.trainer
+        scored = [_Scored(s.sample_id) for s in samples]
+        ids, mask, width = self._tensors(samples)
+        logps = []
+        if t.beta != 0.0 and t.ref_model is not None:
+            logps.append(("ref", t.ref_model))
+        if trainer._needs_old_logps():
+            logps.append(("old", t.model))
+        for role, model in logps:
+            with torch.no_grad(), _no_checkpointing(t):
+                lp, _, _ = self.trainer._stock._get_per_token_logps_and_entropies(
+                    trainer, model, ids, mask, width, batch_size=len(samples))
+            for j, (sc, s) in enumerate(zip(scored, samples)):
+                setattr(sc, role, lp[j, : len(s.token_ids)].detach().cpu())
+        rows = [s.sample_id - self.batch.offset for s in samples]
+        inputs = [self.batch.inputs[i] for i in rows]
+        prompts = [x["prompt"] for x in inputs]
+        completions = [trainer._decode_completion(self.batch, s) for s in samples]
+        with _local_gather(trainer._stock):
+            rewards = trainer._stock._calculate_rewards(
+                trainer, inputs, prompts, completions, [list(s.token_ids) for s in samples])
+        for j, sc in enumerate(scored):
+            sc.rewards = rewards[j].detach().cpu()
+        return scored
+
+
+@contextlib.contextmanager
+def _no_checkpointing(trainer: Any) -> Iterator[None]:
+    """As TRL does around its no-grad passes (no use_reentrant warning)."""
+    try:
+        from trl.models.utils import disable_gradient_checkpointing
+    except ImportError:  # pragma: no cover - present in every supported TRL
+        yield
+        return
+    with disable_gradient_checkpointing(trainer.model,
+                                        trainer.args.gradient_checkpointing_kwargs):
+        yield

@@ -1,0 +1,102 @@
+"""Tiny, locally built models, tokenizers and prompt datasets for TRL trainer tests.
+
+Nothing is downloaded: the tokenizer is a character-level ``tokenizers`` WordLevel model and
+the models are built from configs with a fixed seed, so two calls give bit-identical weights
+(what "fused equals stock" tests compare). Reward functions follow TRL's
+``f(prompts, completions, **kwargs) -> list[float]`` convention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CHARS",
+    "tiny_causal_lm",
+    "tiny_model_dir",
+    "tiny_prompt_dataset",
+    "tiny_tokenizer",
+    "vowel_reward",
+    "length_reward",
+]
+
+CHARS = "abcdefghijklmnopqrstuvwxyz .,:?!'-"
+_PROMPTS = ("the cat sings", "a dog runs", "hello there", "go on, tell", "what is it?",
+            "one two", "blue sky", "say more")
+
+
+def tiny_tokenizer() -> Any:
+    """A character tokenizer: ``<pad>`` = 0, ``</s>`` = 1 (eos), then :data:`CHARS`."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<pad>": 0, "</s>": 1, **{c: i + 2 for i, c in enumerate(CHARS)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
+    tok.pre_tokenizer = pre_tokenizers.Split("", "isolated")
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>")
+
+
+def tiny_causal_lm(vocab_size: int, seed: int = 0, *, eos_bias: float = 0.0, eos_id: int = 1,
+                   max_positions: int = 256) -> Any:
+    """A 2-layer Llama (hidden 32) built with ``torch.manual_seed(seed)``, float32.
+
+    ``eos_bias`` > 0 turns it into a near-unigram model whose per-step EOS probability is about
+    ``e^b / (e^b + V - 1)``: a large constant feature in every embedding dominates the
+    residual stream, only the EOS row of the LM head reads it, and the other rows are shrunk.
+    Sampled lengths are then geometric (p99 about 6.6x the median), the long tail a benchmark
+    of streaming needs, and the model stays an ordinary ``LlamaForCausalLM``.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
+                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=max_positions, tie_word_embeddings=False,
+                      eos_token_id=eos_id, pad_token_id=0, bos_token_id=None)
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(cfg)
+    if eos_bias:
+        with torch.no_grad():
+            model.model.embed_tokens.weight[:, 0] = 10.0
+            head = model.lm_head.weight
+            head[:, 0] = 0.0
+            head[eos_id] = 0.0
+            # After the final RMSNorm the constant feature is about sqrt(hidden).
+            head[eos_id, 0] = eos_bias / cfg.hidden_size ** 0.5
+    return model
+
+
+def tiny_model_dir(path: str | Path, seed: int = 0, *, eos_bias: float = 0.0) -> str:
+    """Save :func:`tiny_tokenizer` and :func:`tiny_causal_lm` as a Hub-style directory.
+
+    TRL builds its reference model from the policy's path when ``beta != 0``, so tests that
+    use a KL term pass this directory as ``model``. Returns the path as a string.
+    """
+    tok = tiny_tokenizer()
+    tok.save_pretrained(str(path))
+    tiny_causal_lm(len(tok), seed, eos_bias=eos_bias).save_pretrained(str(path))
+    return str(path)
+
+
+def tiny_prompt_dataset(tok: Any, n: int) -> Any:
+    """A ``datasets.Dataset`` with ``n`` short plain-text prompts (column ``prompt``)."""
+    from datasets import Dataset
+
+    del tok  # prompts are plain text; the tokenizer is the trainer's business
+    return Dataset.from_dict({"prompt": [_PROMPTS[i % len(_PROMPTS)] for i in range(n)]})
+
+
+def vowel_reward(prompts: Sequence[str], completions: Sequence[str], **kwargs: Any
+                 ) -> list[float]:
+    """Fraction of vowels among the first 8 characters of each completion."""
+    return [sum(ch in "aeiou" for ch in c[:8]) / 8.0 for c in completions]
+
+
+def length_reward(prompts: Sequence[str], completions: Sequence[str], **kwargs: Any
+                  ) -> list[float]:
+    """Prefers completions of about 6 characters."""
+    return [1.0 - min(abs(len(c) - 6), 6) / 6.0 for c in completions]
