@@ -38,6 +38,7 @@ from .rollout import (
     PPORollout,
     RowScorer,
     assemble,
+    left_pad,
     lm_forward,
     padded_rollout,
     sample_specs,
@@ -117,7 +118,7 @@ class FusedPPOTrainer(_BaseTrainer):
             PrinterCallback,
             TrainerControl,
         )
-        from trl.models.utils import create_reference_model
+        from trl.experimental.utils import create_reference_model
         from trl.trainer.utils import disable_dropout_in_model
 
         if train_dataset is None:
@@ -351,6 +352,7 @@ class FusedPPOTrainer(_BaseTrainer):
         fill_id = self.policy_model.generation_config.pad_token_id
         fill_id = pad_id if fill_id is None else fill_id
         world, rank = self.accelerator.num_processes, self.accelerator.process_index
+        queries = left_pad(queries, pad_id)
         t0 = time.perf_counter()
         backend = self._generation_backend(unwrapped.policy)
         t_sync = time.perf_counter() - t0
@@ -423,7 +425,7 @@ class FusedPPOTrainer(_BaseTrainer):
                                          [len(s.prompt_ids) for s in specs])))
         stats["fusion/rt"] = rt
         stats["fusion/migrated"] = len(out.assignment.moved_ids) if out.assignment else 0
-        return list(out.experience or [])
+        return list(out.experiences or [])
 
     def _rt(self, batch: int) -> int:
         if self.fusion.rt != "auto":

@@ -119,12 +119,30 @@ def padded_rollout(*, policy: nn.Module, ref: nn.Module, critic: nn.Module, rewa
     gen_logits = pad(scores_, padding_value=0, padding_side="right")
     gen_logits = gen_logits.view(-1, *gen_logits.shape[2:])[:b]
     t1 = time.perf_counter()
+    lp, ref_lp, values, scores = score_padded(
+        ref=ref, critic=critic, reward=reward, queries=queries, query_responses=query_responses,
+        gen_logits=gen_logits, chunk=chunk, pad_id=pad_id, stop_id=stop_id,
+        temperature=temperature)
+    t2 = time.perf_counter()
+    assert lp is not None
+    return PPORollout(query_responses, lp, ref_lp, values, scores, context_length,
+                      gen_s=t1 - t0, inf_s=t2 - t1, stats={})
 
+
+@torch.no_grad()
+def score_padded(*, ref: nn.Module, critic: nn.Module, reward: nn.Module, queries: Tensor,
+                 query_responses: Tensor, gen_logits: Tensor | None, chunk: int, pad_id: int,
+                 stop_id: int | None, temperature: float
+                 ) -> tuple[Tensor | None, Tensor, Tensor, Tensor]:
+    """Stock scoring of padded rows, chunk by chunk: generation logprobs (when ``gen_logits``
+    ``[B, R, V]`` is given), Ref logprobs, Critic values ``[B, R]`` and Reward scores ``[B]``."""
+    context_length = queries.shape[1]
     parts: dict[str, list[Tensor]] = {"lp": [], "ref": [], "v": [], "s": []}
-    for i in range(0, b, chunk):
+    for i in range(0, queries.shape[0], chunk):
         qr = query_responses[i: i + chunk]
         response = qr[:, context_length:]
-        parts["lp"].append(_tokens_to_logprobs(gen_logits[i: i + chunk], response))
+        if gen_logits is not None:
+            parts["lp"].append(_tokens_to_logprobs(gen_logits[i: i + chunk], response))
         ref_logits = lm_forward(ref, qr, pad_id).logits[:, context_length - 1: -1]
         ref_logits /= temperature + 1e-7
         parts["ref"].append(_tokens_to_logprobs(ref_logits, response))
@@ -133,10 +151,8 @@ def padded_rollout(*, policy: nn.Module, ref: nn.Module, critic: nn.Module, rewa
                           [:, context_length - 1: -1].squeeze(-1))
         parts["s"].append(_pick_scores(head_logits(reward, post, pad_id, context_length),
                                        post, pad_id, context_length))
-    t2 = time.perf_counter()
-    return PPORollout(query_responses, torch.cat(parts["lp"]), torch.cat(parts["ref"]),
-                      torch.cat(parts["v"]), torch.cat(parts["s"]), context_length,
-                      gen_s=t1 - t0, inf_s=t2 - t1, stats={})
+    return (torch.cat(parts["lp"]) if parts["lp"] else None, torch.cat(parts["ref"]),
+            torch.cat(parts["v"]), torch.cat(parts["s"]))
 
 
 def _pick_scores(reward_logits: Tensor, post: Tensor, pad_id: int, context_length: int) -> Tensor:
@@ -257,6 +273,24 @@ def assemble(queries: Tensor, scored: Sequence[ScoredSample], *, fill_id: int, p
             val[i, : min(g + 1, r)] = s.values[: min(g + 1, r)]
             scores[i] = s.score
     return qr, lp, ref, val, scores
+
+
+def left_pad(queries: Tensor, pad_id: int) -> Tensor:
+    """``queries`` ``[B, C]`` with each row's real tokens moved to the right end.
+
+    The training forward predicts response token 0 from column ``C - 1``; with right-padded
+    queries that column is a pad for short prompts, so the generation that samples token 0
+    from the prompt's real last token would not be the distribution training scores. Stock
+    TRL has the same mismatch (transformers warns about right padding); the streamed rollout
+    lays queries out left-padded, as TRL's PPO examples do.
+    """
+    keep = queries != pad_id
+    out = torch.full_like(queries, pad_id)
+    width = queries.shape[1]
+    for i in range(queries.shape[0]):
+        row = queries[i][keep[i]]
+        out[i, width - row.numel():] = row
+    return out
 
 
 def sample_specs(queries: Tensor, *, pad_id: int, ids: Sequence[int], max_new_tokens: int,

@@ -1,0 +1,184 @@
+"""FusedPPOTrainer against trl 1.12's PPOTrainer: stock equality, each plugin, streaming, migration."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+import torch
+
+pytest.importorskip("trl")
+warnings.filterwarnings("ignore", message=".*right-padding was detected.*")
+
+from rlhf_fusion.integrations.trl import FusedPPOTrainer, FusionConfig, FusionConfigError  # noqa: E402
+from rlhf_fusion.integrations.trl.ppo_config import TRL_HAS_PPO, PPOConfig  # noqa: E402
+from rlhf_fusion.integrations.trl.rollout import left_pad, score_padded  # noqa: E402
+from rlhf_fusion.testing.trl import tiny_causal_lm, tiny_tokenizer  # noqa: E402
+
+needs_stock = pytest.mark.skipif(not TRL_HAS_PPO, reason="stock PPOTrainer exists in trl<=1.12")
+PROMPTS = ["the cat sings", "a dog runs", "hello there", "go on now", "blue sky", "say it"]
+
+
+def _models(vocab: int, seed: int = 0):
+    from transformers import LlamaConfig, LlamaForSequenceClassification, set_seed
+
+    def cfg():
+        return LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                           max_position_embeddings=256, pad_token_id=0, num_labels=1)
+
+    # A policy whose own sampling gives long-tailed lengths (so streaming and migration have
+    # a tail to work on), then Critic and Reward.
+    policy = tiny_causal_lm(vocab, seed, eos_bias=1.5)
+    set_seed(seed)
+    return policy, LlamaForSequenceClassification(cfg()), LlamaForSequenceClassification(cfg())
+
+
+def _trainer(cls, tmp_path, *, steps: int = 3, batch: int = 4, **kw):
+    from datasets import Dataset
+
+    tok = tiny_tokenizer()
+    policy, value, reward = _models(len(tok))
+    ds = Dataset.from_dict({"input_ids": [tok(p)["input_ids"] for p in PROMPTS * 4]})
+    args = PPOConfig(
+        output_dir=str(tmp_path), per_device_train_batch_size=batch,
+        gradient_accumulation_steps=2, num_ppo_epochs=2, num_mini_batches=2,
+        total_episodes=steps * 2 * batch, response_length=32, stop_token="eos",
+        report_to=[], save_strategy="no", num_sample_generations=0,
+        local_rollout_forward_batch_size=batch, seed=0, learning_rate=1e-3, logging_steps=1,
+        bf16=False, disable_tqdm=True, kl_estimator="k3", missing_eos_penalty=0.1)
+    return cls(args=args, processing_class=tok, model=policy, ref_model=None,
+               reward_model=reward, train_dataset=ds, value_model=value, **kw)
+
+
+def _params(tr) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in tr.model.named_parameters()}
+
+
+def _max_diff(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k] - b[k]).abs().max().item() for k in a)
+
+
+def _logs(tr) -> list[dict]:
+    return [h for h in tr.state.log_history if "objective/kl" in h]
+
+
+@pytest.fixture(scope="module")
+def stock_run(tmp_path_factory):
+    """trl 1.12's PPOTrainer (or, where TRL has none, ours with every plugin off)."""
+    if TRL_HAS_PPO:
+        from trl.experimental.ppo import PPOTrainer
+
+        tr = _trainer(PPOTrainer, tmp_path_factory.mktemp("stock"))
+    else:
+        tr = _trainer(FusedPPOTrainer, tmp_path_factory.mktemp("off"),
+                      fusion=FusionConfig.off())
+    tr.train()
+    return _params(tr), _logs(tr)
+
+
+@needs_stock
+def test_off_is_stock_bit_for_bit(stock_run, tmp_path):
+    tr = _trainer(FusedPPOTrainer, tmp_path, fusion=FusionConfig.off())
+    tr.train()
+    params, logs = stock_run
+    assert _max_diff(_params(tr), params) == 0.0
+    ours = _logs(tr)
+    assert len(ours) == len(logs) == 3
+    for mine, stock in zip(ours, logs):
+        # Every metric stock TRL logs, with the same value ("eps" is wall-clock).
+        assert {k: v for k, v in stock.items() if k != "eps"} == {
+            k: mine[k] for k in stock if k != "eps"}
+        assert {"time/generation", "time/inference", "time/training", "samples_per_s",
+                "response_length/p99"} <= mine.keys()
+
+
+@pytest.mark.parametrize("plugin", ["gae", "trim_padding"])
+def test_one_plugin_stays_within_1e5_of_stock(stock_run, tmp_path, plugin):
+    tr = _trainer(FusedPPOTrainer, tmp_path, fusion=FusionConfig.off().with_(**{plugin: True}))
+    tr.train()
+    params, logs = stock_run
+    diff = _max_diff(_params(tr), params)
+    assert diff <= 1e-5
+    if plugin == "trim_padding":
+        assert diff > 0  # the micro-batches really were cut (different matmul shapes)
+    for mine, stock in zip(_logs(tr), logs):
+        for k in ("objective/kl", "loss/policy_avg", "loss/value_avg", "val/ratio",
+                  "policy/approxkl_avg"):
+            assert mine[k] == pytest.approx(stock[k], rel=1e-4, abs=1e-6), k
+
+
+def test_streamed_experience_is_the_stock_scoring_of_the_same_tokens(tmp_path):
+    tr = _trainer(FusedPPOTrainer, tmp_path, fusion=FusionConfig(migrate=False), batch=8)
+    queries = next(iter(tr.dataloader))["input_ids"]
+    unwrapped = tr.accelerator.unwrap_model(tr.model)
+    got = tr._streamed_rollout(queries, 1, unwrapped)
+    # Every query got exactly one response, in order, behind its own (left-padded) query row.
+    assert got.query_responses.shape[0] == queries.shape[0]
+    assert torch.equal(got.query_responses[:, : queries.shape[1]], left_pad(queries, 0))
+    queries = left_pad(queries, 0)
+    lp, ref, values, scores = score_padded(
+        ref=tr.ref_model, critic=unwrapped.value_model, reward=tr.reward_model,
+        queries=queries, query_responses=got.query_responses, gen_logits=None, chunk=4,
+        pad_id=0, stop_id=tr.stop_token_id, temperature=tr.args.temperature)
+    assert lp is None
+    resp = got.responses
+    lengths = (resp != 0).cumprod(1).sum(1)  # through the first pad: what TRL scores
+    assert int(lengths.min()) < int(lengths.max())  # a ragged batch
+    for i, g in enumerate(lengths.tolist()):
+        torch.testing.assert_close(got.ref_logprobs[i, :g], ref[i, :g], atol=1e-5, rtol=0)
+        n = min(g + 1, resp.shape[1])  # the Critic also reads one position past the end
+        torch.testing.assert_close(got.values[i, :n], values[i, :n], atol=1e-5, rtol=0)
+    torch.testing.assert_close(got.scores, scores, atol=1e-5, rtol=0)
+    # Generation logprobs are the policy's, tempered, on those tokens.
+    from rlhf_fusion.integrations.trl.rollout import lm_forward
+
+    with torch.no_grad():
+        logits = lm_forward(unwrapped.policy, got.query_responses, 0).logits
+        logits = logits[:, queries.shape[1] - 1: -1] / (tr.args.temperature + 1e-7)
+        pol = torch.log_softmax(logits, -1).gather(2, resp[..., None])[..., 0]
+    for i, g in enumerate(lengths.tolist()):
+        torch.testing.assert_close(got.logprobs[i, :g], pol[i, :g], atol=1e-4, rtol=0)
+
+
+def test_streamed_training_runs_and_logs_fusion_timings(tmp_path):
+    tr = _trainer(FusedPPOTrainer, tmp_path, steps=2, fusion=FusionConfig(migrate=False))
+    tr.train()
+    logs = _logs(tr)
+    assert len(logs) == 2 and all(h["time/weight_sync"] >= 0 for h in logs)
+    assert all(torch.isfinite(v).all() for v in _params(tr).values())
+
+
+def _two_process_run(rank: int, world: int, out_dir: str, migrate: bool):
+    import pathlib
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world), ACCELERATE_USE_CPU="true")
+    fusion = FusionConfig(migrate=migrate, rt=0.9, mechanism="tokens")
+    tr = _trainer(FusedPPOTrainer, pathlib.Path(out_dir) / f"{migrate}", steps=4, fusion=fusion)
+    tr.train()
+    logs = _logs(tr)
+    return _params(tr), [h.get("fusion/migrated", 0) for h in logs]
+
+
+def test_migration_across_two_processes_changes_nothing(tmp_path):
+    from rlhf_fusion.launch import run_ranks
+
+    moved = run_ranks(_two_process_run, 2, str(tmp_path), True, timeout=240)
+    still = run_ranks(_two_process_run, 2, str(tmp_path), False, timeout=240)
+    for a, b in zip(moved, still):
+        assert _max_diff(a.value[0], b.value[0]) <= 1e-6
+    assert sum(moved[0].value[1]) > 0  # samples really moved
+
+
+def test_unsupported_settings_fail_with_the_fix(tmp_path):
+    with pytest.raises(FusionConfigError, match="rt=2"):
+        FusionConfig(rt=2)
+    with pytest.raises(FusionConfigError, match="migrate=True needs stream=True"):
+        FusionConfig(stream=False)
+    with pytest.raises(FusionConfigError, match="unknown FusionConfig field"):
+        FusionConfig.off().with_(gea=True)
+    with pytest.raises(FusionConfigError, match="pipeline_stages"):
+        _trainer(FusedPPOTrainer, tmp_path, fusion=FusionConfig(pipeline_stages=2))
