@@ -182,3 +182,42 @@ def test_unsupported_settings_fail_with_the_fix(tmp_path):
         FusionConfig.off().with_(gea=True)
     with pytest.raises(FusionConfigError, match="pipeline_stages"):
         _trainer(FusedPPOTrainer, tmp_path, fusion=FusionConfig(pipeline_stages=2))
+
+
+@needs_stock
+def test_checkpoints_have_the_stock_layout_and_weights(tmp_path):
+    from safetensors.torch import load_file
+    from trl.experimental.ppo import PPOTrainer
+
+    dirs = {}
+    for name, cls, kw in (("stock", PPOTrainer, {}),
+                          ("ours", FusedPPOTrainer, {"fusion": FusionConfig.off()})):
+        tr = _trainer(cls, tmp_path / name, steps=2, **kw)
+        tr.args.save_strategy = "steps"
+        tr.args.save_steps = 2
+        tr.train()
+        (ckpt,) = sorted((tmp_path / name).glob("checkpoint-*"))
+        dirs[name] = ckpt
+    assert dirs["stock"].name == dirs["ours"].name
+    files = {n: sorted(p.name for p in d.iterdir()) for n, d in dirs.items()}
+    assert files["stock"] == files["ours"] and "model.safetensors" in files["ours"]
+    a, b = (load_file(str(d / "model.safetensors")) for d in dirs.values())
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_example_runs_on_a_local_model_dir(tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from rlhf_fusion.testing.trl import tiny_model_dir
+
+    model = tiny_model_dir(tmp_path / "tiny", eos_bias=1.5)
+    example = Path(__file__).resolve().parents[1] / "examples" / "trl_ppo.py"
+    out = subprocess.run(
+        [sys.executable, str(example), "--model", model, "--output-dir", str(tmp_path / "run"),
+         "--episodes", "16", "--response-length", "16"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "done: objective/scores" in out.stdout
+    assert (tmp_path / "run" / "model.safetensors").exists()
