@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
 import importlib.util
-from dataclasses import dataclass, field
 
 import pytest
 
@@ -17,90 +15,7 @@ from rlhf_fusion.rollout import (
 from rlhf_fusion.rollout.local import LocalFusedRollout
 from rlhf_fusion.rollout.sampling import derive_seed
 from rlhf_fusion.rollout.vllm_backend import VLLMBackend
-
-VOCAB = 97
-
-
-@dataclass
-class FakeSamplingParams:
-    """The subset of vllm.SamplingParams the backend sets."""
-
-    n: int = 1
-    max_tokens: int = 16
-    temperature: float = 1.0
-    seed: int | None = None
-    stop_token_ids: list[int] = field(default_factory=list)
-    ignore_eos: bool = False
-    logprobs: int | None = None
-
-
-@dataclass
-class FakeLogprob:
-    logprob: float
-
-
-@dataclass
-class FakeCompletion:
-    token_ids: list[int]
-    logprobs: list[dict[int, FakeLogprob]] | None
-    finish_reason: str | None
-
-
-@dataclass
-class FakeRequestOutput:
-    request_id: str
-    outputs: list[FakeCompletion]
-    finished: bool
-
-
-class FakeAsyncEngine:
-    """Streams cumulative outputs, one token per tick; abort ends the stream (as vLLM does).
-
-    Tokens depend on the request seed, so a resubmitted continuation (a new seed) diverges, as
-    it does in vLLM.
-    """
-
-    def __init__(self, tick_s: float = 0.0005, cancel_on_abort: bool = False) -> None:
-        self.tick_s = tick_s
-        self.cancel_on_abort = cancel_on_abort
-        self.aborted: set[str] = set()
-        self.requests: list[tuple[str, list[int], FakeSamplingParams]] = []
-        self.rpc: list[tuple[str, tuple]] = []
-        self.asleep = False
-
-    async def generate(self, prompt, params, request_id):
-        self.requests.append((request_id, list(prompt["prompt_token_ids"]), params))
-        ids: list[int] = []
-        lps: list[dict[int, FakeLogprob]] = []
-        for pos in range(params.max_tokens):
-            await asyncio.sleep(self.tick_s)
-            if request_id in self.aborted:
-                if self.cancel_on_abort:
-                    raise asyncio.CancelledError
-                return
-            tok = derive_seed(params.seed or 0, len(prompt["prompt_token_ids"]), pos) % VOCAB
-            ids.append(tok)
-            lps.append({tok: FakeLogprob(-0.01 * tok)})
-            stop = tok in params.stop_token_ids
-            finished = stop or len(ids) == params.max_tokens
-            yield FakeRequestOutput(request_id, [FakeCompletion(
-                list(ids), list(lps), "stop" if stop else ("length" if finished else None))],
-                finished)
-            if finished:
-                return
-
-    async def abort(self, request_id):
-        self.aborted.add(request_id)
-
-    async def collective_rpc(self, method, timeout=None, args=(), kwargs=None):
-        self.rpc.append((method, args))
-        return [None]
-
-    async def sleep(self, level=1):
-        self.asleep = True
-
-    async def wake_up(self, tags=None):
-        self.asleep = False
+from rlhf_fusion.testing.vllm import FakeAsyncEngine, FakeSamplingParams
 
 
 def backend(instance_id=0, **kw):

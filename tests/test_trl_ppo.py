@@ -221,3 +221,43 @@ def test_example_runs_on_a_local_model_dir(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     assert "done: objective/scores" in out.stdout
     assert (tmp_path / "run" / "model.safetensors").exists()
+
+
+def test_vllm_backend_gets_every_query_and_the_policy_weights(tmp_path, monkeypatch):
+    from rlhf_fusion.rollout import vllm_backend
+    from rlhf_fusion.testing.vllm import FakeAsyncEngine, fake_vllm_module
+
+    engine = FakeAsyncEngine(vocab=len(tiny_tokenizer()))
+    module = fake_vllm_module(engine)
+    monkeypatch.setattr(vllm_backend, "_import_vllm", lambda: module)
+    tr = _trainer(FusedPPOTrainer, tmp_path, steps=1,
+                  fusion=FusionConfig(backend="vllm", migrate=False,
+                                      vllm_engine_kwargs={"gpu_memory_utilization": 0.3}))
+    tr.policy_model.config._name_or_path = "tiny-policy"  # as from_pretrained leaves it
+    tr.train()
+    (args,) = module.engine_args
+    assert args["model"] == "tiny-policy" and args["gpu_memory_utilization"] == 0.3
+    assert args["logprobs_mode"] == "processed_logprobs"
+    # Every query of the step went to the engine once, with TRL's budget and temperature.
+    assert len(engine.requests) == 2 * 4
+    assert {tuple(p) for _, p, _ in engine.requests} <= set(_prompt_ids())
+    assert all(p.max_tokens == 32 and p.temperature == pytest.approx(0.7)
+               for _, _, p in engine.requests)
+    # The policy's weights were pushed before generating, under their HF names.
+    method, (named,) = engine.rpc[0]
+    assert method == "rlhf_fusion_load_weights"
+    assert [n for n, _ in named] == list(tr.accelerator.unwrap_model(tr.model).policy
+                                          .state_dict())
+
+
+def _prompt_ids() -> list[tuple[int, ...]]:
+    tok = tiny_tokenizer()
+    return [tuple(tok(p)["input_ids"]) for p in PROMPTS]
+
+
+def test_vllm_backend_needs_a_checkpoint_path(tmp_path):
+    tr = _trainer(FusedPPOTrainer, tmp_path, steps=1,
+                  fusion=FusionConfig(backend="vllm", migrate=False))
+    tr.policy_model.config._name_or_path = ""
+    with pytest.raises(FusionConfigError, match="save_pretrained"):
+        tr.train()

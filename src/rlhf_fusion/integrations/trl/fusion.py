@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
-from typing import Literal
+from typing import Any, Literal
 
 __all__ = ["FusionConfig", "FusionConfigError"]
 
@@ -30,7 +31,9 @@ class FusionConfig:
       many processes per replica).
     - ``backend``: ``"reference"`` (transformers, any device) or ``"vllm"`` (where installed).
     - ``max_batch_size``: BS_max of a generation instance; ``generation_dtype``: the dtype of
-      the generation copy of the Actor (``"float32"`` or ``"float64"``).
+      the generation copy of the Actor (``"float32"`` or ``"float64"``; the reference backend).
+    - ``vllm_engine_kwargs``: extra ``vllm.AsyncEngineArgs`` for ``backend="vllm"`` (for
+      example ``{"gpu_memory_utilization": 0.3}``).
     """
 
     stream: bool = True
@@ -43,6 +46,7 @@ class FusionConfig:
     backend: Literal["reference", "vllm"] = "reference"
     max_batch_size: int = 64
     generation_dtype: Literal["float32", "float64"] = "float32"
+    vllm_engine_kwargs: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         self.validate()

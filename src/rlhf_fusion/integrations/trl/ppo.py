@@ -136,9 +136,6 @@ class FusedPPOTrainer(_BaseTrainer):
                 "pipeline_stages > 1 is not wired into FusedPPOTrainer yet; use "
                 "rlhf_fusion.loop (rlhf-fusion train) for the fused Actor/Critic pipeline, or "
                 "set pipeline_stages=1")
-        if self.fusion.backend == "vllm":
-            raise FusionConfigError(
-                "backend='vllm' is not wired into FusedPPOTrainer yet; use backend='reference'")
         self.args = args
         self.processing_class = processing_class
         self.policy_model = model
@@ -330,19 +327,40 @@ class FusedPPOTrainer(_BaseTrainer):
         return self._streamed_rollout(queries, update, unwrapped)
 
     def _generation_backend(self, policy: nn.Module) -> Any:
-        from ...rollout.reference import ReferenceBackend
-
+        """The generation instance of this process, built once; the training copy's weights
+        are pushed into it before every rollout."""
         if self._backend is None:
-            dtype = getattr(torch, self.fusion.generation_dtype)
-            # The generation copy of the Actor: its own dtype and attention, weights synced
-            # from the training copy before every rollout.
-            self._backend = ReferenceBackend(
-                copy.deepcopy(policy), instance_id=self.accelerator.process_index,
-                max_batch_size=self.fusion.max_batch_size, dtype=dtype,
-                device=self.accelerator.device)
+            self._backend = (self._vllm_backend(policy) if self.fusion.backend == "vllm"
+                             else self._reference_backend(policy))
         with torch.no_grad():
             self._backend.update_weights(policy.state_dict())
         return self._backend
+
+    def _reference_backend(self, policy: nn.Module) -> Any:
+        from ...rollout.reference import ReferenceBackend
+
+        # Its own copy of the Actor: its own dtype and attention implementation.
+        return ReferenceBackend(
+            copy.deepcopy(policy), instance_id=self.accelerator.process_index,
+            max_batch_size=self.fusion.max_batch_size,
+            dtype=getattr(torch, self.fusion.generation_dtype), device=self.accelerator.device)
+
+    def _vllm_backend(self, policy: nn.Module) -> Any:
+        from ...rollout.vllm_backend import VLLMBackend
+
+        path = getattr(policy.config, "_name_or_path", "") or ""
+        if not path:
+            raise FusionConfigError(
+                "backend='vllm' builds its engine from the policy's checkpoint, and this policy "
+                "has none (built from a config): save_pretrained it and load it from the "
+                "directory, or use backend='reference'")
+        kwargs = {"seed": self.args.seed, "max_num_seqs": self.fusion.max_batch_size,
+                  # PPO's old logprobs are under the sampling temperature, as TRL's are.
+                  "logprobs_mode": "processed_logprobs",
+                  **dict(self.fusion.vllm_engine_kwargs or {})}
+        return VLLMBackend(model=path, engine_kwargs=kwargs,
+                           instance_id=self.accelerator.process_index,
+                           max_batch_size=self.fusion.max_batch_size)
 
     @torch.no_grad()
     def _streamed_rollout(self, queries: torch.Tensor, update: int, unwrapped: Any

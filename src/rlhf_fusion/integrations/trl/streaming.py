@@ -101,6 +101,9 @@ class FusedRolloutMixin:
     #: Score finished samples while the rest decode (False: generate everything first, then
     #: score; the same numbers, what tests compare streaming against).
     score_while_decoding: bool = True
+    #: Samples per scoring micro-batch (at most TRL's per-device batch). Small, so early
+    #: finishers are scored at their own width instead of the batch's longest completion.
+    stream_micro_batch: int = 8
 
     def __init__(self, *args: Any, fusion: FusionConfig | None = None, **kwargs: Any) -> None:
         check_trl_seams(self._stock, self._seams)
@@ -324,7 +327,8 @@ class _StreamScorer:
         self.trainer = trainer
         self.batch = batch
         self.specs = {s.sample_id: s for s in specs}
-        self.micro_batch = max(1, int(t.args.per_device_train_batch_size))
+        self.micro_batch = max(1, min(int(t.args.per_device_train_batch_size),
+                                      int(trainer.stream_micro_batch)))
         mult = getattr(t, "pad_to_multiple_of", None)
         width = max(len(s.prompt_ids) for s in specs)
         batch.prompt_width = -(-width // mult) * mult if mult else width
