@@ -244,3 +244,11 @@ def test_example_runs_on_a_tiny_local_model(tmp_path):
         capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "done: 2 steps" in proc.stdout
+
+
+def test_benchmark_quick_mode_runs():
+    bench = Path(__file__).resolve().parents[1] / "benchmarks" / "trl.py"
+    proc = subprocess.run([sys.executable, str(bench), "--algos", "grpo", "--quick",
+                           "--no-write"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "grpo: fused" in proc.stderr and "x stock samples/s" in proc.stderr

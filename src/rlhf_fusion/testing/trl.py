@@ -42,8 +42,8 @@ def tiny_tokenizer() -> Any:
 
 
 def tiny_causal_lm(vocab_size: int, seed: int = 0, *, eos_bias: float = 0.0, eos_id: int = 1,
-                   max_positions: int = 256) -> Any:
-    """A 2-layer Llama (hidden 32) built with ``torch.manual_seed(seed)``, float32.
+                   max_positions: int = 256, hidden_size: int = 32, layers: int = 2) -> Any:
+    """A Llama (default 2 layers, hidden 32) built with ``torch.manual_seed(seed)``, float32.
 
     ``eos_bias`` > 0 turns it into a near-unigram model whose per-step EOS probability is about
     ``e^b / (e^b + V - 1)``: a large constant feature in every embedding dominates the
@@ -53,8 +53,9 @@ def tiny_causal_lm(vocab_size: int, seed: int = 0, *, eos_bias: float = 0.0, eos
     """
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=hidden_size,
+                      intermediate_size=2 * hidden_size, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=max_positions, tie_word_embeddings=False,
                       eos_token_id=eos_id, pad_token_id=0, bos_token_id=None)
     torch.manual_seed(seed)
@@ -70,7 +71,8 @@ def tiny_causal_lm(vocab_size: int, seed: int = 0, *, eos_bias: float = 0.0, eos
     return model
 
 
-def tiny_model_dir(path: str | Path, seed: int = 0, *, eos_bias: float = 0.0) -> str:
+def tiny_model_dir(path: str | Path, seed: int = 0, *, eos_bias: float = 0.0,
+                   hidden_size: int = 32, layers: int = 2, max_positions: int = 256) -> str:
     """Save :func:`tiny_tokenizer` and :func:`tiny_causal_lm` as a Hub-style directory.
 
     TRL builds its reference model from the policy's path when ``beta != 0``, so tests that
@@ -78,7 +80,8 @@ def tiny_model_dir(path: str | Path, seed: int = 0, *, eos_bias: float = 0.0) ->
     """
     tok = tiny_tokenizer()
     tok.save_pretrained(str(path))
-    tiny_causal_lm(len(tok), seed, eos_bias=eos_bias).save_pretrained(str(path))
+    tiny_causal_lm(len(tok), seed, eos_bias=eos_bias, hidden_size=hidden_size, layers=layers,
+                   max_positions=max_positions).save_pretrained(str(path))
     return str(path)
 
 
