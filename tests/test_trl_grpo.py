@@ -252,3 +252,24 @@ def test_benchmark_quick_mode_runs():
                            "--no-write"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "grpo: fused" in proc.stderr and "x stock samples/s" in proc.stderr
+
+
+# -- long-tail migration across 2 processes = per-process streaming ---------------------------
+def test_two_process_migration_gives_the_same_batch(tailed_model_dir, tmp_path):
+    from rlhf_fusion.launch import run_ranks
+    from rlhf_fusion.testing.trl import grpo_rank_worker
+
+    runs = []
+    for kw in ({"migrate": True, "rt": 0.5, "mechanism": "kv"}, {"migrate": False}):
+        res = run_ranks(grpo_rank_worker, 2, tailed_model_dir, str(tmp_path / "out"), kw,
+                        timeout=240)
+        runs.append([r.value for r in sorted(res, key=lambda r: r.rank)])
+    assert runs[0][0]["moved"] and runs[0][0]["moved"] == runs[0][1]["moved"]  # it migrated
+    for migrated, local in zip(*runs):
+        assert migrated["num_processes"] == 2
+        assert local["moved"] == []
+        assert migrated["completion_ids"] == local["completion_ids"]
+        assert migrated["advantages"] == pytest.approx(local["advantages"], abs=1e-6)
+        m = torch.tensor(local["completion_mask"]).bool()
+        assert torch.allclose(torch.tensor(migrated["ref"])[m], torch.tensor(local["ref"])[m],
+                              atol=1e-5, rtol=0)

@@ -103,3 +103,40 @@ def length_reward(prompts: Sequence[str], completions: Sequence[str], **kwargs: 
                   ) -> list[float]:
     """Prefers completions of about 6 characters."""
     return [1.0 - min(abs(len(c) - 6), 6) / 6.0 for c in completions]
+
+
+def grpo_rank_worker(rank: int, world: int, model_dir: str, out_dir: str,
+                     fusion_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """One rank of a multi-process FusedGRPOTrainer run (``rlhf_fusion.launch.run_ranks``
+    starts the gloo group; accelerate attaches to it): this rank's completions and advantages
+    for one generation batch."""
+    import os
+    import warnings
+
+    from trl import GRPOConfig
+
+    from ..integrations.trl.fusion import FusionConfig
+    from ..integrations.trl.grpo import FusedGRPOTrainer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
+    args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=16, max_steps=1, beta=0.04, bf16=False,
+                      use_cpu=True, report_to=[], seed=0, save_strategy="no",
+                      disable_tqdm=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = FusedGRPOTrainer(model=model_dir, reward_funcs=[vowel_reward], args=args,
+                                   train_dataset=tiny_prompt_dataset(None, 8),
+                                   processing_class=tiny_tokenizer(),
+                                   fusion=FusionConfig(**fusion_kwargs))
+    trainer.model.train()
+    prompts = _PROMPTS[2 * rank: 2 * rank + 2]
+    out = trainer._generate_and_score_completions(
+        [{"prompt": p} for p in prompts for _ in range(4)])
+    return {"completion_ids": out["completion_ids"].tolist(),
+            "completion_mask": out["completion_mask"].tolist(),
+            "advantages": out["advantages"].tolist(),
+            "ref": out["ref_per_token_logps"].tolist(),
+            "num_processes": trainer.accelerator.num_processes,
+            "moved": getattr(trainer, "fusion_last_rollout", {}).get("moved", [])}
