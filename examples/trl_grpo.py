@@ -14,7 +14,7 @@ import argparse
 from datasets import Dataset
 from trl import GRPOConfig
 
-from rlhf_fusion.integrations.trl.grpo import FusedGRPOTrainer as GRPOTrainer
+from rlhf_fusion.integrations.trl import FusedGRPOTrainer as GRPOTrainer
 
 PROMPTS = [
     "Write a short sentence about the sea:",

@@ -94,20 +94,27 @@ class Dropped(nn.Module):
 class _Layout:
     family: str  # "llama" | "gpt2"
     base_attr: str  # attribute of the wrapper holding the decoder ("model", "transformer", ...)
-    head_attr: str  # "lm_head" | "value_head"
+    head_attr: str  # "lm_head" | "value_head" | "score"
 
 
 def _layout(model: nn.Module, role: str) -> _Layout:
     if role not in ROLES:
         raise PartitionError(f"role: must be one of {ROLES}, got {role!r}")
     if role == "critic":
-        if not (hasattr(model, "backbone") and hasattr(model, "value_head")):
+        # Our CriticModel, or a transformers *ForSequenceClassification (TRL's value models):
+        # a decoder plus a linear head applied to every position's final hidden state.
+        hf_base = next((a for a in ("model", "transformer") if hasattr(model, a)), "")
+        if hasattr(model, "backbone") and hasattr(model, "value_head"):
+            base_attr, head_attr = "backbone", "value_head"
+        elif hf_base and hasattr(model, "score"):
+            base_attr, head_attr = hf_base, "score"
+        else:
             raise PartitionError(
                 f"critic: {type(model).__name__} is not supported; use "
                 "rlhf_fusion.runtime.CriticModel (a decoder backbone plus value_head), e.g. "
-                "CriticModel.from_config(LlamaConfig(...))"
+                "CriticModel.from_config(LlamaConfig(...)), or a *ForSequenceClassification "
+                "with num_labels=1"
             )
-        base_attr, head_attr = "backbone", "value_head"
     else:
         base_attr = next((a for a in ("model", "transformer") if hasattr(model, a)), "")
         if not base_attr or not hasattr(model, "lm_head"):
@@ -311,7 +318,8 @@ def partition_(
 ) -> PipelineStage:
     """Prune ``model`` in place down to pipeline stage ``stage`` of ``num_stages``.
 
-    ``role`` is ``"actor"`` (a causal LM) or ``"critic"`` (:class:`CriticModel`); ``layers``
+    ``role`` is ``"actor"`` (a causal LM) or ``"critic"`` (:class:`CriticModel` or a
+    ``*ForSequenceClassification`` with one label); ``layers``
     optionally gives the number of decoder layers per stage. Returns the stage runner.
     """
     lay = _layout(model, role)

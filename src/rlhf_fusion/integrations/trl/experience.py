@@ -115,38 +115,33 @@ def make_experience(*, responses: Tensor, logprobs: Tensor, ref_logprobs: Tensor
 
 
 @dataclass
-class MicroLoss:
-    """One micro-batch's loss and the statistics TRL logs."""
+class PolicyTerms:
+    """The Actor's side of one micro-batch: clipped policy loss and what TRL logs of it."""
 
-    loss: Tensor
     pg_loss: Tensor
-    vf_loss: Tensor
-    vf_clipfrac: Tensor
     pg_clipfrac: Tensor
     logprobs_diff: Tensor
     ratio: Tensor
-    logits: Tensor
+    logits: Tensor  # tempered, [b, R', V]
 
 
-def micro_loss(*, logits: Tensor, vpred: Tensor, responses: Tensor, old_logprobs: Tensor,
-               old_values: Tensor, advantages: Tensor, returns: Tensor, padding_mask: Tensor,
-               padding_mask_p1: Tensor, temperature: float, cliprange: float,
-               cliprange_value: float, vf_coef: float) -> MicroLoss:
-    """Clipped policy loss plus ``vf_coef`` times the clipped value loss of one micro-batch.
+@dataclass
+class ValueTerms:
+    """The Critic's side of one micro-batch: clipped value loss (before ``vf_coef``)."""
 
-    ``logits`` ``[b, R', V]`` and ``vpred`` ``[b, R']`` at the response positions.
-    """
+    vf_loss: Tensor
+    vf_clipfrac: Tensor
+
+
+def policy_terms(*, logits: Tensor, responses: Tensor, old_logprobs: Tensor,
+                 advantages: Tensor, padding_mask: Tensor, temperature: float,
+                 cliprange: float) -> PolicyTerms:
+    """``logits`` ``[b, R', V]`` at the response positions (untempered)."""
     from trl.trainer.utils import selective_log_softmax
 
     logits = logits / (temperature + 1e-7)
     new_logprobs = selective_log_softmax(logits, responses)
     new_logprobs = torch.masked_fill(new_logprobs, padding_mask, INVALID_LOGPROB)
-    vpred = torch.masked_fill(vpred, padding_mask_p1, 0)
-    vpredclipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
-    vf_losses1 = torch.square(vpred - returns)
-    vf_losses2 = torch.square(vpredclipped - returns)
-    vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), ~padding_mask_p1)
-    vf_clipfrac = masked_mean((vf_losses2 > vf_losses1).float(), ~padding_mask_p1)
     logprobs_diff = new_logprobs - old_logprobs
     ratio = torch.exp(logprobs_diff)
     pg_losses = -advantages * ratio
@@ -154,5 +149,16 @@ def micro_loss(*, logits: Tensor, vpred: Tensor, responses: Tensor, old_logprobs
     pg_loss = masked_mean(torch.max(pg_losses, pg_losses2), ~padding_mask)
     with torch.no_grad():
         pg_clipfrac = masked_mean((pg_losses2 > pg_losses).float(), ~padding_mask)
-    return MicroLoss(pg_loss + vf_coef * vf_loss, pg_loss, vf_loss, vf_clipfrac, pg_clipfrac,
-                     logprobs_diff, ratio, logits)
+    return PolicyTerms(pg_loss, pg_clipfrac, logprobs_diff, ratio, logits)
+
+
+def value_terms(*, vpred: Tensor, old_values: Tensor, returns: Tensor, padding_mask_p1: Tensor,
+                cliprange_value: float) -> ValueTerms:
+    """``vpred`` ``[b, R']``: the Critic at the response positions."""
+    vpred = torch.masked_fill(vpred, padding_mask_p1, 0)
+    vpredclipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
+    vf_losses1 = torch.square(vpred - returns)
+    vf_losses2 = torch.square(vpredclipped - returns)
+    vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), ~padding_mask_p1)
+    vf_clipfrac = masked_mean((vf_losses2 > vf_losses1).float(), ~padding_mask_p1)
+    return ValueTerms(vf_loss, vf_clipfrac)

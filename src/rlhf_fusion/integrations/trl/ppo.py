@@ -31,7 +31,14 @@ import torch.distributed as dist
 from torch import nn
 from transformers import TrainerState
 
-from .experience import PPOExperience, make_experience, micro_loss
+from .experience import (
+    PolicyTerms,
+    PPOExperience,
+    ValueTerms,
+    make_experience,
+    policy_terms,
+    value_terms,
+)
 from .fusion import FusionConfig, FusionConfigError
 from .ppo_config import PPOConfig
 from .rollout import (
@@ -473,7 +480,6 @@ class FusedPPOTrainer(_BaseTrainer):
         ctx = rollout.context_length
         pad_id = self.processing_class.pad_token_id
         full_r = exp.responses.shape[1]
-        st = self._stats
         for epoch in range(a.num_ppo_epochs):
             order = np.random.permutation(a.local_batch_size)
             for mb_idx, mb_start in enumerate(range(0, a.local_batch_size,
@@ -489,36 +495,41 @@ class FusedPPOTrainer(_BaseTrainer):
                              if self.fusion.trim_padding else full_r)
                         output, vpred = lm_forward(
                             self.model, rollout.query_responses[inds, : ctx + r], pad_id)
-                        out = micro_loss(
+                        pol = policy_terms(
                             logits=output.logits[:, ctx - 1: -1],
-                            vpred=vpred[:, ctx - 1: -1].squeeze(-1),
                             responses=exp.responses[inds, :r],
                             old_logprobs=exp.logprobs[inds, :r],
-                            old_values=exp.values[inds, :r],
-                            advantages=exp.advantages[inds, :r], returns=exp.returns[inds, :r],
+                            advantages=exp.advantages[inds, :r],
                             padding_mask=exp.padding_mask[inds, :r],
+                            temperature=a.temperature, cliprange=a.cliprange)
+                        val = value_terms(
+                            vpred=vpred[:, ctx - 1: -1].squeeze(-1),
+                            old_values=exp.values[inds, :r], returns=exp.returns[inds, :r],
                             padding_mask_p1=exp.padding_mask_p1[inds, :r],
-                            temperature=a.temperature, cliprange=a.cliprange,
-                            cliprange_value=a.cliprange_value, vf_coef=a.vf_coef)
-                        self.accelerator.backward(out.loss)
+                            cliprange_value=a.cliprange_value)
+                        self.accelerator.backward(pol.pg_loss + a.vf_coef * val.vf_loss)
                         self.optimizer.step()
                         self.optimizer.zero_grad()
                         with torch.no_grad():
                             # Trimmed columns hold diff 0 and ratio 1 exactly: rescale the
                             # means to the full width so the logged values match stock TRL.
-                            scale = r / full_r
-                            at = (epoch, mb_idx, ga_idx)
-                            lg = out.logits
-                            entropy = (torch.logsumexp(lg, dim=-1)
-                                       - torch.sum(torch.softmax(lg, dim=-1) * lg, dim=-1))
-                            st["approxkl"][at] = 0.5 * (out.logprobs_diff ** 2).mean() * scale
-                            st["pg_clipfrac"][at] = out.pg_clipfrac
-                            st["pg_loss"][at] = out.pg_loss
-                            st["vf_loss"][at] = out.vf_loss
-                            st["vf_clipfrac"][at] = out.vf_clipfrac
-                            st["entropy"][at] = entropy.mean()
-                            st["ratio"][at] = (out.ratio.mean() * scale + (1 - scale)
-                                               if r < full_r else out.ratio.mean())
+                            self._record(epoch, mb_idx, ga_idx, pol, val, r / full_r)
+
+    def _record(self, epoch: int, mini: int, micro: int, pol: PolicyTerms, val: ValueTerms,
+                scale: float) -> None:
+        # Trimmed columns hold diff 0 and ratio 1 exactly: the means are rescaled to the full
+        # width so the logged values match stock TRL.
+        st, at = self._stats, (epoch, mini, micro)
+        lg = pol.logits
+        entropy = torch.logsumexp(lg, dim=-1) - torch.sum(torch.softmax(lg, dim=-1) * lg, dim=-1)
+        st["approxkl"][at] = 0.5 * (pol.logprobs_diff ** 2).mean() * scale
+        st["pg_clipfrac"][at] = pol.pg_clipfrac
+        st["pg_loss"][at] = pol.pg_loss
+        st["vf_loss"][at] = val.vf_loss
+        st["vf_clipfrac"][at] = val.vf_clipfrac
+        st["entropy"][at] = entropy.mean()
+        st["ratio"][at] = (pol.ratio.mean() * scale + (1 - scale) if scale < 1
+                           else pol.ratio.mean())
 
     # 4. metrics ---------------------------------------------------------------------------------
     @torch.no_grad()
