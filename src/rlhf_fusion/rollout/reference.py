@@ -203,49 +203,64 @@ class ReferenceBackend:
                              use_cache=False, paged_kv=ctx, logits_to_keep=1)
         return out.logits[:, -1, :]
 
-    def _prefill(self, seq: _Seq, tokens: Sequence[int]) -> torch.Tensor:
+    def _prefill(self, seqs: Sequence[_Seq], tokens: Sequence[Sequence[int]]) -> torch.Tensor:
+        """One forward over equally long token lists (one per sample); writes their KV and
+        returns the last position's logits ``(len(seqs), V)``."""
         assert self.pool is not None
-        n = len(tokens)
-        ctx = PagedContext(pool=self.pool, write_slots=self.pool.slots(seq.blocks, 0, n)[None, :],
-                           decode=False)
-        logits = self._forward(torch.tensor([list(tokens)]), torch.arange(n)[None, :], ctx)
-        seq.kv_len = n
+        n = len(tokens[0])
+        slots = torch.stack([self.pool.slots(s.blocks, 0, n) for s in seqs])
+        ctx = PagedContext(pool=self.pool, write_slots=slots, decode=False)
+        logits = self._forward(torch.tensor([list(t) for t in tokens]),
+                               torch.arange(n).expand(len(seqs), n), ctx)
+        for s in seqs:
+            s.kv_len = n
         return logits
 
     def _admit(self, finished: list[SampleResult]) -> None:
         assert self.pool is not None
-        while self._queue and len(self._active) < self.max_batch_size:
+        fresh: dict[int, list[_Seq]] = {}
+        while self._queue and len(self._active) + sum(map(len, fresh.values())) \
+                < self.max_batch_size:
             seq = self._queue[0]
             if not self.pool.can_allocate(seq.reserved):
-                if not self._active:
+                if not self._active and not fresh:
                     raise KVCapacityError(
                         f"instance {self.instance_id}: sample {seq.sid} needs {seq.reserved} KV "
                         f"tokens and the pool is empty but too small; raise kv_capacity_tokens"
                     )
-                return  # wait for a running sample to retire and free its blocks
+                break  # wait for a running sample to retire and free its blocks
             self._queue.popleft()
             seq.blocks = self.pool.allocate(seq.reserved)
             spec = seq.spec
             if not seq.generated:
-                logits = self._prefill(seq, spec.prompt_ids)
-                self._append_tokens([seq], logits, finished)
-                if seq.blocks:
-                    self._active.append(seq)
-            elif isinstance(spec.kv, KVHandle):
+                # New samples are prefilled together, one forward per prompt length (GRPO's
+                # groups share a prompt; a PPO batch has few distinct lengths).
+                fresh.setdefault(len(spec.prompt_ids), []).append(seq)
+                continue
+            if isinstance(spec.kv, KVHandle):
                 self.pool.load(seq.blocks, spec.kv)
                 seq.kv_len = spec.kv.tokens
                 seq.spec = spec.without_kv()
-                self._active.append(seq)
             else:
                 # The recompute path: rebuild the KV of everything but the pending token.
-                self._prefill(seq, spec.prompt_ids + tuple(seq.generated[:-1]))
-                self._active.append(seq)
-            expect = len(spec.prompt_ids) + len(seq.generated) - 1
-            if seq.blocks and seq.kv_len != expect:
-                raise RolloutError(
-                    f"sample {seq.sid}: KV holds {seq.kv_len} tokens, expected {expect} "
-                    "(prompt + generated - 1); the ticket is inconsistent"
-                )
+                self._prefill([seq], [spec.prompt_ids + tuple(seq.generated[:-1])])
+            self._active.append(seq)
+            self._check_kv(seq)
+        for group in fresh.values():
+            logits = self._prefill(group, [s.spec.prompt_ids for s in group])
+            self._active.extend(group)
+            self._append_tokens(group, logits, finished)
+            for seq in group:
+                if seq.blocks:
+                    self._check_kv(seq)
+
+    def _check_kv(self, seq: _Seq) -> None:
+        expect = len(seq.spec.prompt_ids) + len(seq.generated) - 1
+        if seq.kv_len != expect:
+            raise RolloutError(
+                f"sample {seq.sid}: KV holds {seq.kv_len} tokens, expected {expect} "
+                "(prompt + generated - 1); the ticket is inconsistent"
+            )
 
     def _decode(self, finished: list[SampleResult]) -> None:
         assert self.pool is not None
