@@ -1,22 +1,28 @@
 """TRL trainers, stock vs rlhf-fusion's drop-in replacements: samples/s in one run, same model,
 same batch, same long-tailed completion lengths (from the model's own sampling).
 
-    python benchmarks/trl.py --algos grpo
+    python benchmarks/trl.py                     # PPO (needs trl 1.12) and GRPO
     python benchmarks/trl.py --algos grpo --quick      # a few seconds, what the smoke test runs
 
-GRPO workload: a Llama-style model whose EOS logit is biased (``rlhf_fusion.testing.trl.
+PPO: trl 1.12's ``PPOTrainer``, then ``FusedPPOTrainer`` with every plugin off (the same
+algorithm on our code: it must not be the source of the gain) and on; value and reward models
+are sequence classifiers on the policy's backbone, ``--ppo-epochs`` epochs of ``--micro``-sample
+micro-batches over one mini-batch of ``--batch``. Writes ``results/trl_ppo.{json,md}``.
+
+Workload: a Llama-style model whose EOS logit is biased (``rlhf_fusion.testing.trl.
 tiny_causal_lm(eos_bias=...)``), so sampled lengths are geometric: p99 several times the median,
 the long tail that a padded ``model.generate`` batch waits on. Both trainers train the same
 saved model for ``--steps`` steps; samples/s counts the steps after the first (warm-up).
 The stock trainer samples with torch's RNG and ours with keyed Gumbel noise, so the two runs
 draw different completions from the same distribution; both length distributions are printed
-and recorded. Writes ``results/trl_grpo.{json,md}``.
+and recorded. GRPO writes ``results/trl_grpo.{json,md}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -129,18 +135,181 @@ def _write_grpo(args: argparse.Namespace, res: dict[str, Any]) -> None:
     print(f"wrote {path}", file=sys.stderr)
 
 
+def _response_lengths(responses: Any, eos_id: int, pad_id: int) -> list[int]:
+    """Tokens through the first EOS (or up to the first pad), per row of ``[B, R]``."""
+    out = []
+    for row in responses.tolist():
+        n = len(row)
+        for i, t in enumerate(row):
+            if t == eos_id:
+                n = i + 1
+                break
+            if t == pad_id:
+                n = i
+                break
+        out.append(n)
+    return out
+
+
+def _ppo_run(args: argparse.Namespace, model_dir: str, fusion: Any) -> dict[str, Any]:
+    """One PPO training run: stock trl 1.12 ``PPOTrainer`` when ``fusion`` is None."""
+    from datasets import Dataset
+    from transformers import (
+        AutoModelForCausalLM,
+        AutoModelForSequenceClassification,
+        TrainerCallback,
+        set_seed,
+    )
+
+    from rlhf_fusion.integrations.trl import FusedPPOTrainer, PPOConfig
+    from rlhf_fusion.testing.trl import tiny_prompt_dataset, tiny_tokenizer
+
+    step_ends: list[float] = []
+
+    class _Clock(TrainerCallback):
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            step_ends.append(time.perf_counter())
+
+    tok = tiny_tokenizer()
+    tok.padding_side = "left"
+    prompts = tiny_prompt_dataset(None, args.batch)["prompt"]
+    data = Dataset.from_dict({"input_ids": [tok(p)["input_ids"] for p in prompts]})
+    set_seed(args.seed)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        policy = AutoModelForCausalLM.from_pretrained(model_dir)
+        value, reward = (AutoModelForSequenceClassification.from_pretrained(
+            model_dir, num_labels=1) for _ in range(2))
+    config = PPOConfig(
+        output_dir=tempfile.mkdtemp(prefix="bench-trl-"), per_device_train_batch_size=args.micro,
+        gradient_accumulation_steps=args.batch // args.micro, num_ppo_epochs=args.ppo_epochs,
+        num_mini_batches=1, total_episodes=args.batch * args.steps,
+        response_length=args.max_new_tokens, stop_token="eos", temperature=1.0,
+        local_rollout_forward_batch_size=args.batch, learning_rate=args.lr, bf16=False,
+        use_cpu=not args.cuda, report_to=[], logging_steps=1, save_strategy="no",
+        disable_tqdm=True, num_sample_generations=0, seed=args.seed)
+    if fusion is None:
+        from trl.experimental.ppo import PPOTrainer as cls
+        kw: dict[str, Any] = {}
+    else:
+        cls, kw = FusedPPOTrainer, {"fusion": fusion}
+    lengths: list[int] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = cls(args=config, processing_class=tok, model=policy, ref_model=None,
+                      reward_model=reward, value_model=value, train_dataset=data,
+                      callbacks=[_Clock()], **kw)
+        if fusion is None:
+            import trl.experimental.ppo.ppo_trainer as stock
+
+            real_gen = stock.batch_generation
+
+            def recording(model: Any, queries: Any, *a: Any, **k: Any) -> Any:
+                qr, logits = real_gen(model, queries, *a, **k)
+                lengths.extend(_response_lengths(qr[:, queries.shape[1]:], tok.eos_token_id,
+                                                 tok.pad_token_id))
+                return qr, logits
+
+            stock.batch_generation = recording
+        else:
+            real_rollout = trainer._rollout
+
+            def recording_rollout(*a: Any, **k: Any) -> Any:
+                out = real_rollout(*a, **k)
+                lengths.extend(_response_lengths(out.responses, tok.eos_token_id,
+                                                 tok.pad_token_id))
+                return out
+
+            trainer._rollout = recording_rollout  # type: ignore[method-assign]
+        t0 = time.perf_counter()
+        try:
+            trainer.train()
+        finally:
+            if fusion is None:
+                stock.batch_generation = real_gen
+    total = time.perf_counter() - t0
+    timed = step_ends[-1] - step_ends[0]
+    logs = [h for h in trainer.state.log_history if "objective/kl" in h]
+    phases = {k: statistics.median(h[k] for h in logs[1:]) for k in (
+        "time/generation", "time/inference", "time/training") if logs and k in logs[0]}
+    return {"samples_per_s": args.batch * (len(step_ends) - 1) / timed, "timed_s": timed,
+            "total_s": total, "steps": len(step_ends), "lengths": lengths, "phases": phases,
+            "scores": [h["objective/scores"] for h in logs]}
+
+
+PPO_VARIANTS = ("stock", "off", "fused")
+
+
+def bench_ppo(args: argparse.Namespace) -> dict[str, Any]:
+    """trl 1.12's ``PPOTrainer`` vs ``FusedPPOTrainer`` (all plugins off, then on)."""
+    from rlhf_fusion.integrations.trl import FusionConfig
+    from rlhf_fusion.integrations.trl.ppo_config import TRL_HAS_PPO
+    from rlhf_fusion.testing.trl import tiny_model_dir
+
+    if not TRL_HAS_PPO:
+        raise SystemExit("the PPO benchmark compares with trl 1.12's PPOTrainer: "
+                         "pip install trl==1.12.0")
+    model_dir = tiny_model_dir(tempfile.mkdtemp(prefix="bench-trl-model-"), seed=args.seed,
+                               eos_bias=args.eos_bias, hidden_size=args.hidden,
+                               layers=args.layers, max_positions=args.max_new_tokens + 64)
+    fusions = {"stock": None, "off": FusionConfig.off(), "fused": FusionConfig()}
+    out: dict[str, Any] = {}
+    for name in PPO_VARIANTS:
+        run = _ppo_run(args, model_dir, fusions[name])
+        ln = run["lengths"]
+        print(f"ppo {name:>5}: {run['samples_per_s']:.1f} samples/s over {run['steps'] - 1} "
+              f"timed steps ({run['timed_s']:.2f} s); lengths p50 {pct(ln, 0.5)}, p90 "
+              f"{pct(ln, 0.9)}, p99 {pct(ln, 0.99)}, max {max(ln)} (n={len(ln)})",
+              file=sys.stderr)
+        out[name] = run
+    out["speedup"] = out["fused"]["samples_per_s"] / out["stock"]["samples_per_s"]
+    ln = out["fused"]["lengths"]
+    out["p99_over_median"] = pct(ln, 0.99) / max(1, pct(ln, 0.5))
+    print(f"ppo: fused {out['speedup']:.2f}x stock samples/s; p99/median length "
+          f"{out['p99_over_median']:.1f}", file=sys.stderr)
+    return out
+
+
+def _write_ppo(args: argparse.Namespace, res: dict[str, Any]) -> None:
+    rows = []
+    for name in PPO_VARIANTS:
+        r, ln = res[name], res[name]["lengths"]
+        ph = r["phases"]
+        rows.append([name, f"{r['samples_per_s']:.1f}", f"{r['timed_s']:.2f}",
+                     f"{pct(ln, 0.5)} / {pct(ln, 0.9)} / {pct(ln, 0.99)} / {max(ln)}",
+                     " / ".join(f"{ph[k]:.2f}" for k in ("time/generation", "time/inference",
+                                                         "time/training")) if ph else "-"])
+    payload = {
+        "command": "python benchmarks/trl.py " + " ".join(sys.argv[1:]),
+        "workload": {k: getattr(args, k) for k in ("steps", "batch", "micro", "ppo_epochs",
+                                                   "max_new_tokens", "eos_bias", "hidden",
+                                                   "layers", "lr", "seed", "quick")},
+        "speedup": res["speedup"], "p99_over_median": res["p99_over_median"],
+        **{name: res[name] for name in PPO_VARIANTS},
+    }
+    path, _ = write_results(
+        "trl_ppo", payload,
+        [("PPO: trl 1.12 PPOTrainer vs FusedPPOTrainer (off = every plugin off)",
+          ["trainer", "samples/s", "timed s", "lengths p50 / p90 / p99 / max",
+           "median s: generation / inference / training"], rows)],
+        notes=[f"Speedup: **{res['speedup']:.2f}x** (fused over stock samples/s)."])
+    print(f"wrote {path}", file=sys.stderr)
+
+
 BENCHES = {
     "grpo": (bench_grpo, _write_grpo),
-    # "ppo": (bench_ppo, _write_ppo),  -- the PPO trainer's benchmark goes here
+    "ppo": (bench_ppo, _write_ppo),
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--algos", nargs="+", default=["grpo"], choices=sorted(BENCHES))
+    ap.add_argument("--algos", nargs="+", default=["ppo", "grpo"], choices=sorted(BENCHES))
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--batch", type=int, default=64, help="per-device train batch size")
     ap.add_argument("--generations", type=int, default=8, help="GRPO num_generations")
+    ap.add_argument("--micro", type=int, default=8, help="PPO per-device micro-batch")
+    ap.add_argument("--ppo-epochs", type=int, default=4, help="PPO epochs per batch")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--eos-bias", type=float, default=0.5,
                     help="EOS logit bias of the model (per-step EOS probability)")
@@ -155,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.quick:
         args.steps, args.batch, args.generations, args.max_new_tokens = 2, 8, 4, 16
+        args.micro = min(args.micro, args.batch)
     for algo in args.algos:
         bench, write = BENCHES[algo]
         res = bench(args)
