@@ -27,8 +27,13 @@ class FusionConfig:
     - ``gae``: advantages by the blocked-matrix GAE kernel instead of TRL's reverse loop.
     - ``trim_padding``: each training micro-batch is cut to its own longest response rather
       than the batch's (the masked loss is unchanged; the padded columns cost nothing).
-    - ``pipeline_stages``: more than 1 runs Actor and Critic as one fused pipeline (needs as
-      many processes per replica).
+    - ``padding_free``: GRPO/RLOO: the policy/Ref forward packs every sample's real tokens into
+      fewer rows (block-diagonal causal mask, original positions) instead of running the padded
+      ``[B, prompt + longest completion]`` batch; the same logprobs and entropies.
+    - ``pipeline_stages``: more than 1 trains Actor and Critic as one fused pipeline of that
+      many stages (the processes divide into ``world / pipeline_stages`` replicas), on a
+      schedule found by ``solver`` (``"auto"``: CP-SAT where installed, else greedy; or
+      ``"greedy"``) within ``solver_time_limit`` seconds, from profiled stage times.
     - ``backend``: ``"reference"`` (transformers, any device) or ``"vllm"`` (where installed).
     - ``max_batch_size``: BS_max of a generation instance; ``generation_dtype``: the dtype of
       the generation copy of the Actor (``"float32"`` or ``"float64"``; the reference backend).
@@ -42,7 +47,10 @@ class FusionConfig:
     mechanism: Literal["kv", "tokens", "auto"] = "auto"
     gae: bool = True
     trim_padding: bool = True
+    padding_free: bool = True
     pipeline_stages: int = 1
+    solver: Literal["auto", "greedy", "cpsat"] = "auto"
+    solver_time_limit: float = 5.0
     backend: Literal["reference", "vllm"] = "reference"
     max_batch_size: int = 64
     generation_dtype: Literal["float32", "float64"] = "float32"
@@ -54,7 +62,8 @@ class FusionConfig:
     @classmethod
     def off(cls) -> FusionConfig:
         """Every plugin off: the stock trainer's behaviour, step for step."""
-        return cls(stream=False, migrate=False, gae=False, trim_padding=False)
+        return cls(stream=False, migrate=False, gae=False, trim_padding=False,
+                   padding_free=False)
 
     def with_(self, **changes: object) -> FusionConfig:
         """A copy with ``changes`` (``FusionConfig.off().with_(gae=True)``)."""
@@ -79,6 +88,8 @@ class FusionConfig:
             raise FusionConfigError(f"backend={self.backend!r}: use 'reference' or 'vllm'")
         if self.pipeline_stages < 1:
             raise FusionConfigError(f"pipeline_stages={self.pipeline_stages}: must be >= 1")
+        if self.solver not in ("auto", "greedy", "cpsat"):
+            raise FusionConfigError(f"solver={self.solver!r}: use 'auto', 'greedy' or 'cpsat'")
         if self.max_batch_size < 1:
             raise FusionConfigError(f"max_batch_size={self.max_batch_size}: must be >= 1")
         if self.generation_dtype not in ("float32", "float64"):

@@ -138,11 +138,6 @@ class FusedPPOTrainer(_BaseTrainer):
                 "FusedPPOTrainer does not take peft_config yet: merge the adapter into the "
                 "model first, or use FusionConfig.off() with trl 1.12's own PPOTrainer")
         self.fusion = fusion if fusion is not None else FusionConfig()
-        if self.fusion.pipeline_stages > 1:
-            raise FusionConfigError(
-                "pipeline_stages > 1 is not wired into FusedPPOTrainer yet; use "
-                "rlhf_fusion.loop (rlhf-fusion train) for the fused Actor/Critic pipeline, or "
-                "set pipeline_stages=1")
         self.args = args
         self.processing_class = processing_class
         self.policy_model = model
@@ -197,6 +192,18 @@ class FusedPPOTrainer(_BaseTrainer):
             disable_dropout_in_model(module)
         self.model = PolicyAndValueWrapper(self.policy_model, self.value_model)
         self.model.config = self.policy_model.config
+        self._pipeline: Any = None
+        self._micro_steps = 0
+        if self.fusion.pipeline_stages > 1:
+            from .pipeline import PipelinedPPO
+
+            # Cuts the Actor and the Critic in place (the wrapper then holds this rank's
+            # stages), so the optimizer below gets exactly this rank's parameters.
+            self._pipeline = PipelinedPPO(
+                self.policy_model, self.value_model, args=args,
+                stages=self.fusion.pipeline_stages, world=accelerator.num_processes,
+                rank=accelerator.process_index, device=accelerator.device,
+                solver=self.fusion.solver, time_limit=self.fusion.solver_time_limit)
         self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
 
         default_callbacks = DEFAULT_CALLBACKS + get_reporting_integration_callbacks(args.report_to)
@@ -227,8 +234,11 @@ class FusedPPOTrainer(_BaseTrainer):
         # The same seeding protocol as TRL: the shuffle order is shared, then each process
         # reseeds for its own sampling.
         torch.manual_seed(args.seed)
-        self.model, self.optimizer, self.dataloader = accelerator.prepare(
-            self.model, self.optimizer, self.dataloader)
+        if self._pipeline is None:
+            self.model, self.optimizer, self.dataloader = accelerator.prepare(
+                self.model, self.optimizer, self.dataloader)
+        else:  # the pipeline syncs its own gradients: no DDP wrapper
+            self.dataloader = accelerator.prepare(self.dataloader)
         torch.manual_seed(self.local_seed)
         self.eval_dataloader = None
         if eval_dataset is not None:
@@ -241,6 +251,7 @@ class FusedPPOTrainer(_BaseTrainer):
         self.reward_model = self.reward_model.to(accelerator.device)
         self._backend: Any = None
         self._rt_planner: Any = None
+        self._sync_s = 0.0
 
     # -- TRL plumbing ---------------------------------------------------------------------------
     def get_train_dataloader(self) -> Any:
@@ -250,9 +261,11 @@ class FusedPPOTrainer(_BaseTrainer):
         return self.eval_dataloader
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
-        # Only the policy is saved for inference, as TRL does.
+        # Only the policy is saved for inference, as TRL does (whole, also when pipelined).
         backup = self.model
-        if hasattr(self.model, "policy"):
+        if self._pipeline is not None:
+            self.model = self._pipeline.whole["actor"]
+        elif hasattr(self.model, "policy"):
             self.model = self.model.policy
         try:
             super().save_model(output_dir, _internal_call)
@@ -301,7 +314,8 @@ class FusedPPOTrainer(_BaseTrainer):
             self._log_iteration(rollout, exp, start, timings={
                 "time/generation": rollout.gen_s, "time/inference": rollout.inf_s,
                 "time/experience": t1 - t0 - rollout.gen_s - rollout.inf_s,
-                "time/training": t2 - t1, "time/iteration": t2 - t0})
+                "time/training": t2 - t1 - self._sync_s, "time/iteration": t2 - t0,
+                **({"time/weight_sync_training": self._sync_s} if self._pipeline else {})})
             self.lr_scheduler.step()
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             if self.control.should_save:
@@ -319,7 +333,14 @@ class FusedPPOTrainer(_BaseTrainer):
 
         args = self.args
         pad_id = self.processing_class.pad_token_id
-        unwrapped = self.accelerator.unwrap_model(self.model)
+        unwrapped = self._whole_models()
+        if not self.fusion.stream and self._pipeline is not None:
+            return padded_rollout(
+                policy=unwrapped.policy, ref=self.ref_model, critic=unwrapped.value_model,
+                reward=self.reward_model, queries=queries,
+                generation_config=GenerationConfig(**self._generation_kwargs),
+                chunk=args.local_rollout_forward_batch_size, pad_id=pad_id,
+                stop_id=self.stop_token_id, temperature=args.temperature)
         if not self.fusion.stream:
             with unwrap_model_for_generation(
                     self.model, self.accelerator,
@@ -332,6 +353,16 @@ class FusedPPOTrainer(_BaseTrainer):
                     chunk=args.local_rollout_forward_batch_size, pad_id=pad_id,
                     stop_id=self.stop_token_id, temperature=args.temperature)
         return self._streamed_rollout(queries, update, unwrapped)
+
+    def _whole_models(self) -> Any:
+        """Whole Actor and Critic (``.policy``, ``.value_model``) for generation and scoring:
+        the training copies, or the pipeline's reallocated whole copies."""
+        if self._pipeline is None:
+            return self.accelerator.unwrap_model(self.model)
+        from types import SimpleNamespace
+
+        return SimpleNamespace(policy=self._pipeline.whole["actor"],
+                               value_model=self._pipeline.whole["critic"])
 
     def _generation_backend(self, policy: nn.Module) -> Any:
         """The generation instance of this process, built once; the training copy's weights
@@ -476,6 +507,8 @@ class FusedPPOTrainer(_BaseTrainer):
 
     # 3. PPO epochs ------------------------------------------------------------------------------
     def _ppo_epochs(self, rollout: PPORollout, exp: PPOExperience) -> None:
+        if self._pipeline is not None:
+            return self._pipelined_epochs(rollout, exp)
         a = self.args
         ctx = rollout.context_length
         pad_id = self.processing_class.pad_token_id
@@ -514,6 +547,40 @@ class FusedPPOTrainer(_BaseTrainer):
                             # Trimmed columns hold diff 0 and ratio 1 exactly: rescale the
                             # means to the full width so the logged values match stock TRL.
                             self._record(epoch, mb_idx, ga_idx, pol, val, r / full_r)
+
+    def _pipelined_epochs(self, rollout: PPORollout, exp: PPOExperience) -> None:
+        """The same epochs, mini-batches and micro-batches on the fused pipeline: each
+        replica runs its processes' micro-batches; the optimizer steps every
+        ``gradient_accumulation_steps`` micro-batches, as accelerate's accumulation does."""
+        from .pipeline import ProcessBatch
+
+        a, pipe = self.args, self._pipeline
+        pad_id = self.processing_class.pad_token_id
+        batches = pipe.gather(ProcessBatch.of(rollout, exp))
+        mine = batches[pipe.replica * pipe.stages: (pipe.replica + 1) * pipe.stages]
+        for epoch in range(a.num_ppo_epochs):
+            order = np.random.permutation(a.local_batch_size)
+            for mb_idx, mb_start in enumerate(range(0, a.local_batch_size,
+                                                    a.local_mini_batch_size)):
+                mini = order[mb_start: mb_start + a.local_mini_batch_size]
+                starts = range(0, a.local_mini_batch_size, a.per_device_train_batch_size)
+                mbs = [b.micro_batch(mini[s: s + a.per_device_train_batch_size], pad_id,
+                                     self.fusion.trim_padding) for b in mine for s in starts]
+                self._micro_steps += len(starts)
+                step = self._micro_steps % a.gradient_accumulation_steps == 0
+                stats = pipe.step(mbs, self.optimizer if step else None,
+                                  loss_denominator=float(a.gradient_accumulation_steps
+                                                         * pipe.world))
+                # Summed over the world's micro-batches, each over the denominator: back to
+                # the mean over micro-batches.
+                to_mean = a.gradient_accumulation_steps / len(starts)
+                for role in ("actor", "critic"):
+                    for k, v in stats.get(role, {}).items():
+                        if k in self._stats:
+                            self._stats[k][epoch, mb_idx, : len(starts)] = v * to_mean
+        t0 = time.perf_counter()
+        pipe.sync_whole_copies()
+        self._sync_s = time.perf_counter() - t0
 
     def _record(self, epoch: int, mini: int, micro: int, pol: PolicyTerms, val: ValueTerms,
                 scale: float) -> None:
