@@ -20,7 +20,9 @@ __all__ = [
     "SUPPORTED_TRL",
     "TRLCompatError",
     "check_trl_seams",
+    "logps_options",
     "trl_version",
+    "uses_fused_lm_head",
 ]
 
 SUPPORTED_TRL = ("1.12", "1.16")
@@ -116,6 +118,21 @@ def check_trl_seams(stock: type, seams: Seams) -> None:
     if v is not None and lo_v is not None and hi_v is not None and not lo_v <= v <= hi_v:
         warnings.warn(f"{where}; the methods it overrides still match, so it runs, but this "
                       "combination is untested", stacklevel=3)
+
+
+def logps_options(stock: type) -> tuple[str, ...]:
+    """The parameters of ``stock._get_per_token_logps_and_entropies`` after ``logits_to_keep``
+    (``batch_size``, ``compute_entropy``, then per version ``compute_aux_loss`` and the
+    multimodal inputs), in order, so positional arguments can be named."""
+    return _params(stock._get_per_token_logps_and_entropies)[4:]  # type: ignore[attr-defined]
+
+
+def uses_fused_lm_head(stock: type) -> bool:
+    """Whether this TRL scores logprobs through its fused LM head (TRL >= 1.16: the trainer
+    patches the policy's and Ref's ``forward`` with ``add_fused_lm_head`` and calls
+    ``model(..., labels=..., fused_lm_head=True)``) rather than from the model's logits."""
+    module = sys.modules.get(stock.__module__)
+    return callable(getattr(module, "add_fused_lm_head", None))
 
 
 def _next(version: str) -> str:

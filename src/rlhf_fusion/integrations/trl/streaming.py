@@ -9,7 +9,9 @@ seams; TRL's own ``_generate_and_score_completions`` still runs the whole step:
   Ref logprobs, the policy's "old" logprobs where TRL needs them, and the reward functions.
 - ``_get_per_token_logps_and_entropies`` and ``_calculate_rewards``: when TRL asks for exactly
   the batch that was streamed (same completion tokens), they return the streamed numbers
-  instead of recomputing them; anything else goes to TRL unchanged.
+  instead of recomputing them. Other logprob passes (the training loss among them) run
+  padding-free with ``fusion.padding_free`` where the model and inputs allow it
+  (see :meth:`FusedRolloutMixin._padding_free_logps`); anything else goes to TRL unchanged.
 
 With several accelerate processes and ``fusion.migrate``, the rollout runs through
 :func:`rlhf_fusion.rollout.distributed.run_rollout`, which moves the long tail to fewer
@@ -34,8 +36,9 @@ import torch
 from ...rollout.reference import ReferenceBackend
 from ...rollout.sampling import derive_seed
 from ...rollout.types import SampleResult, SampleSpec
-from .compat import check_trl_seams
+from .compat import check_trl_seams, logps_options, uses_fused_lm_head
 from .fusion import FusionConfig, FusionConfigError
+from .packing import Packed, attention_mask_for, completion_targets, pack
 
 __all__ = ["REF_PAD_LOGP", "FusedRolloutMixin"]
 
@@ -104,6 +107,10 @@ class FusedRolloutMixin:
     #: Samples per scoring micro-batch (at most TRL's per-device batch). Small, so early
     #: finishers are scored at their own width instead of the batch's longest completion.
     stream_micro_batch: int = 8
+    #: Model types (``config.model_type``) whose transformers forward is known to honour a
+    #: custom 4D mask and explicit ``position_ids`` as the padded forward uses them; other
+    #: models take TRL's padded forward under ``fusion.padding_free``.
+    padding_free_model_types: frozenset[str] = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 
     def __init__(self, *args: Any, fusion: FusionConfig | None = None, **kwargs: Any) -> None:
         check_trl_seams(self._stock, self._seams)
@@ -191,6 +198,11 @@ class FusedRolloutMixin:
         cached = self._streamed_logps(model, input_ids, logits_to_keep, args, kwargs)
         if cached is not None:
             return cached, None, None
+        if self.fusion.padding_free:
+            packed = self._padding_free_logps(model, input_ids, attention_mask, logits_to_keep,
+                                              args, kwargs)
+            if packed is not None:
+                return packed
         return super()._get_per_token_logps_and_entropies(  # type: ignore[misc]
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
@@ -261,6 +273,128 @@ class FusedRolloutMixin:
             batch.completions = [self._decode_completion(batch, r) for r in results]
             batch.done = True
         return results
+
+    # -- padding-free forward -----------------------------------------------------------------
+    def _padding_free_mode(self, model: Any, width: int) -> tuple[str, str, torch.dtype] | None:
+        """``(style, attn_implementation, dtype)`` when a packed forward of ``model`` gives what
+        TRL's padded one gives, else None (TRL's own forward then runs).
+
+        ``style`` is ``"fused_head"`` where TRL scores through its fused LM head (TRL 1.16)
+        and ``"logits"`` where it takes the model's logits (TRL 1.12).
+        """
+        t: Any = self
+        net = t.accelerator.unwrap_model(model)
+        peft = getattr(net, "active_peft_config", None)
+        if peft is not None:
+            if getattr(peft, "is_prompt_learning", False):
+                return None  # virtual tokens go in front of the 2D mask TRL passes
+            net = net.get_base_model()
+        config = getattr(net, "config", None)
+        if config is None or getattr(config, "is_encoder_decoder", False):
+            return None
+        if config.get_text_config() is not config:
+            return None  # multimodal wrappers have their own position schemes (e.g. M-RoPE)
+        if getattr(config, "model_type", None) not in self.padding_free_model_types:
+            return None
+        attn = getattr(config, "_attn_implementation", None)
+        if attn not in ("sdpa", "eager"):
+            return None  # flash/flex attention take no dense 4D mask
+        window = getattr(config, "sliding_window", None)
+        if window is not None and width > window:
+            return None  # a 4D mask replaces the sliding-window mask
+        dtype = getattr(net, "dtype", torch.float32)
+        if uses_fused_lm_head(self._stock):
+            if not _has_fused_head(net.forward):
+                return None
+            return "fused_head", attn, dtype
+        return "logits", attn, dtype
+
+    def _padding_free_logps(self, model: Any, input_ids: torch.Tensor,
+                            attention_mask: torch.Tensor, logits_to_keep: int,
+                            args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """TRL's ``(logps [B, K], entropies [B, K] | None, None)`` from forwards over the
+        packed batch (:mod:`.packing`), or None where that is not supported.
+
+        Values are TRL's on every completion token the mask keeps; masked completion positions
+        hold 0 (TRL 1.16 gives 0 there too; TRL 1.12's values there are multiplied by the mask
+        everywhere they are used). At most ``batch_size`` bins per forward, each as wide as
+        TRL's rows, and with logits no more logits than TRL's chunk would hold.
+        """
+        call = dict(zip(logps_options(self._stock), args))
+        call.update(kwargs)
+        batch_size = call.pop("batch_size", None)
+        compute_entropy = bool(call.pop("compute_entropy", False))
+        if any(v is not None and v is not False for v in call.values()):
+            return None  # images, MoE aux loss, ...: TRL's padded forward
+        rows, width = input_ids.shape
+        k = int(logits_to_keep)
+        if not 0 < k < width or attention_mask.shape != input_ids.shape:
+            return None
+        mode = self._padding_free_mode(model, width)
+        if mode is None:
+            return None
+        style, attn, dtype = mode
+        packed = pack(input_ids, attention_mask)
+        if packed.rows >= rows or completion_targets(packed, width - k) is None:
+            return None  # nothing saved, or a token TRL predicts from a padding position
+        per = int(batch_size or rows)
+        if style == "logits":  # TRL's chunk holds [per, K + 1, V] logits; ours [bins, T, V]
+            per = max(1, min(per, per * (k + 1) // width))
+        outs, logps, ents = [], [], []
+        for start in range(0, packed.rows, per):
+            part = packed.select(slice(start, start + per))
+            lp, ent, out = self._packed_forward(model, part, width - k, style,
+                                                attention_mask_for(part.attention_mask, attn,
+                                                                   dtype), compute_entropy)
+            if lp is None:
+                return None
+            outs.append(out)
+            logps.append(lp)
+            ents.append(ent)
+        index = (torch.cat(outs),)
+        lp_all = torch.cat(logps)
+        logps_out = lp_all.new_zeros(rows * k).index_put(index, lp_all).view(rows, k)
+        ent_out = None
+        if compute_entropy:
+            ent_all = torch.cat(ents)  # type: ignore[arg-type]
+            ent_out = ent_all.new_zeros(rows * k).index_put(index, ent_all).view(rows, k)
+        return logps_out, ent_out, None
+
+    def _packed_forward(self, model: Any, part: Packed, first: int, style: str,
+                        mask: torch.Tensor, compute_entropy: bool
+                        ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """One forward over some bins: ``(logps [M], entropies [M] | None, output index [M])``
+        for the bins' completion tokens; logps None if TRL's fused head gave no entropy."""
+        t: Any = self
+        tg = completion_targets(part, first)
+        assert tg is not None  # checked on the whole packed batch; bins never split a sequence
+        ids = part.input_ids.reshape(-1)
+        inputs = {"input_ids": part.input_ids, "attention_mask": mask,
+                  "position_ids": part.position_ids}
+        if style == "fused_head":
+            labels = torch.full_like(ids, -100)
+            labels[tg.token] = ids[tg.token]
+            with t.accelerator.autocast():
+                out = model(**inputs, labels=labels.view_as(part.input_ids), fused_lm_head=True)
+            # The head scores label j from hidden j - 1 and returns [R, C - 1]: shift it back.
+            lp = torch.nn.functional.pad(out.log_probs, (1, 0)).reshape(-1)[tg.token]
+            if not compute_entropy:
+                return lp, None, tg.out
+            if out.entropy is None:
+                return None, None, tg.out
+            ent = torch.nn.functional.pad(out.entropy, (1, 0)).reshape(-1)[tg.token]
+            return lp, ent, tg.out
+        module = _stock_module(self._stock)
+        out = model(**inputs, use_cache=False)
+        logits = out.logits.reshape(-1, out.logits.size(-1))[tg.pred] / t.temperature  # [M, V]
+        lp = module.selective_log_softmax(logits[None], ids[tg.token][None])[0]
+        ent = None
+        if compute_entropy:
+            # As TRL: entropies carry grad only when the entropy bonus is a loss term.
+            with torch.set_grad_enabled(torch.is_grad_enabled()
+                                        and bool(getattr(t, "_entropy_bonus_enabled", False))):
+                ent = module.entropy_from_logits(logits)
+        return lp, ent, tg.out
 
     # -- scoring --------------------------------------------------------------------------------
     def _decode_completion(self, batch: _Batch, r: SampleResult) -> Any:
@@ -388,6 +522,19 @@ class _StreamScorer:
         for j, sc in enumerate(scored):
             sc.rewards = rewards[j].detach().cpu()
         return scored
+
+
+def _has_fused_head(forward: Any) -> bool:
+    """Whether ``forward`` (or a function it wraps) is TRL's ``add_fused_lm_head`` forward."""
+    fn = forward
+    for _ in range(8):  # wrappers made with functools.wraps, as TRL's own
+        code = getattr(getattr(fn, "__func__", fn), "__code__", None)
+        if code is not None and "fused_lm_head" in code.co_varnames:
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            return False
+    return False
 
 
 @contextlib.contextmanager
