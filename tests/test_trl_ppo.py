@@ -302,3 +302,21 @@ def test_fused_pipeline_equals_data_parallel(tmp_path, mini_batches):
             assert pa == pytest.approx(pb, rel=1e-4, abs=1e-7)
             assert va == pytest.approx(vb, rel=1e-4, abs=1e-7)
     assert _max_diff(piped[0].value[0], piped[1].value[0]) == 0.0  # one model, everywhere
+
+
+def test_rt_auto_starts_at_a_quarter_then_follows_the_simulator():
+    from types import SimpleNamespace
+
+    from rlhf_fusion.integrations.trl.migration import RtChooser
+
+    assert RtChooser(0.5, 8, 2).rt(64) == 32
+    auto = RtChooser("auto", 8, 2)
+    assert auto.rt(64) == 16  # no lengths seen yet: a quarter of the batch
+    # A long tail, decode steps that cost the same at any batch size: migrating early pays.
+    lengths = [4] * 56 + [200] * 8
+    timed = SimpleNamespace(steps=[(b, 1e-3) for b in range(1, 9) for _ in range(5)])
+    results = [SimpleNamespace(token_ids=(0,) * n) for n in lengths]
+    auto.observe(results, timed, [(1000, 1e-3)], prompt_len=8)
+    chosen = auto.rt(64)
+    assert auto.planner.dist is not None and auto.planner.by_batch  # the rollout was seen
+    assert 1 <= chosen <= 64 and chosen != 16 and auto.planner.history == [16, chosen]

@@ -8,8 +8,9 @@ gets the whole batch back and keeps its own slice, so TRL's code after generatio
 would have seen without migration.
 
 Needs a default process group that can send CPU tensors point to point (gloo; the CPU
-``accelerate`` launch). R_t: ``fusion.rt`` as a fraction, or :data:`AUTO_RT_FRACTION` for
-``"auto"`` (the planner's calibration is not run inside TRL).
+``accelerate`` launch). R_t: ``fusion.rt`` as a fraction, or with ``"auto"`` the loop's planner
+(:class:`RtChooser`): the generation + inference simulator over the response lengths and
+decode-step timings seen in earlier rollouts, refined after every rollout (RLHFuse §4.2).
 """
 
 from __future__ import annotations
@@ -22,9 +23,41 @@ from ...rollout.reference import ReferenceBackend
 from ...rollout.types import SampleResult
 from .streaming import FusedRolloutMixin, _Batch, _StreamScorer
 
-__all__ = ["AUTO_RT_FRACTION", "migrated_rollout"]
+__all__ = ["RtChooser", "migrated_rollout"]
 
-AUTO_RT_FRACTION = 0.25
+
+class RtChooser:
+    """R_t (samples) for each rollout of a trainer: ``fusion.rt`` as a fraction of the batch,
+    or ``"auto"``: :class:`~rlhf_fusion.loop.rt.RtPlanner`, fed after every rollout. Collective
+    under ``"auto"`` (rank 0 decides and broadcasts)."""
+
+    def __init__(self, rt: float | str, bs_max: int, world: int) -> None:
+        self.fixed = None if rt == "auto" else float(rt)
+        self.bs_max = bs_max
+        self.world = world
+        self.planner: Any = None
+
+    def rt(self, batch: int) -> int:
+        if self.fixed is not None:
+            return max(1, round(self.fixed * batch))
+        if self.planner is None or self.planner.batch != batch:
+            from types import SimpleNamespace
+
+            from ...loop.rt import RtPlanner
+
+            cfg = SimpleNamespace(
+                generation=SimpleNamespace(prompts_per_iteration=batch, bs_max=self.bs_max,
+                                           kv_capacity_tokens=None),
+                rt_samples=lambda _: None)
+            self.planner = RtPlanner(cfg, self.world)
+        return self.planner.rt()
+
+    def observe(self, results: Any, backend: Any, scoring: Any = (),
+                prompt_len: float = 0.0) -> None:
+        """Lengths of this rollout and the decode steps ``backend`` (a TimedBackend) timed."""
+        if self.planner is not None:
+            self.planner.observe([len(r.token_ids) for r in results], backend, scoring,
+                                 prompt_len=prompt_len)
 
 
 def migrated_rollout(trainer: FusedRolloutMixin, backend: ReferenceBackend,
@@ -42,10 +75,19 @@ def migrated_rollout(trainer: FusedRolloutMixin, backend: ReferenceBackend,
     if batch is not None:
         whole = _Batch(inputs=gather_object(list(batch.inputs)), offset=0)
         scorer = _StreamScorer(trainer, whole, specs)
+    from ...loop.rt import TimedBackend
+
     fusion = trainer.fusion
-    rt = AUTO_RT_FRACTION if fusion.rt == "auto" else float(fusion.rt)
-    out = run_rollout(backend, scorer, specs,  # type: ignore[arg-type]
-                      RolloutConfig(fused=True, rt_fraction=rt, mechanism=fusion.mechanism))
+    chooser = getattr(t, "_rt_chooser", None)
+    if chooser is None:
+        chooser = t._rt_chooser = RtChooser(fusion.rt, fusion.max_batch_size,
+                                            t.accelerator.num_processes)
+    timed = TimedBackend(backend)
+    out = run_rollout(timed, scorer, specs,  # type: ignore[arg-type]
+                      RolloutConfig(fused=True, rt=chooser.rt(len(specs)),
+                                    mechanism=fusion.mechanism))
+    chooser.observe(out.results, timed,
+                    prompt_len=sum(len(s.prompt_ids) for s in specs) / max(1, len(specs)))
     mine = range(rank * n, (rank + 1) * n)
     t.fusion_last_rollout = {"moved": list(out.assignment.moved_ids) if out.assignment else [],
                              "seconds": out.stats.get("seconds") if out.stats else None}

@@ -250,7 +250,7 @@ class FusedPPOTrainer(_BaseTrainer):
         self.ref_model = self.ref_model.to(accelerator.device)
         self.reward_model = self.reward_model.to(accelerator.device)
         self._backend: Any = None
-        self._rt_planner: Any = None
+        self._rt_chooser: Any = None
         self._sync_s = 0.0
 
     # -- TRL plumbing ---------------------------------------------------------------------------
@@ -470,28 +470,20 @@ class FusedPPOTrainer(_BaseTrainer):
         from ...loop.rt import TimedBackend
         from ...rollout.config import RolloutConfig
         from ...rollout.distributed import run_rollout
+        from .migration import RtChooser
 
+        if self._rt_chooser is None:
+            self._rt_chooser = RtChooser(self.fusion.rt, self.fusion.max_batch_size,
+                                         self.accelerator.num_processes)
         timed = TimedBackend(backend)
-        rt = self._rt(len(specs))
+        rt = self._rt_chooser.rt(len(specs))
         cfg = RolloutConfig(fused=True, rt=rt, mechanism=self.fusion.mechanism, report_every=4)
         out = run_rollout(timed, scorer, specs, cfg, bs_max=self.fusion.max_batch_size)
-        if self._rt_planner is not None:
-            self._rt_planner.observe([len(r.token_ids) for r in out.results], timed,
-                                     scorer.calls, prompt_len=float(np.mean(
-                                         [len(s.prompt_ids) for s in specs])))
+        self._rt_chooser.observe(out.results, timed, scorer.calls,
+                                 prompt_len=float(np.mean([len(s.prompt_ids) for s in specs])))
         stats["fusion/rt"] = rt
         stats["fusion/migrated"] = len(out.assignment.moved_ids) if out.assignment else 0
         return list(out.experiences or [])
-
-    def _rt(self, batch: int) -> int:
-        if self.fusion.rt != "auto":
-            return max(1, round(float(self.fusion.rt) * batch))
-        if self._rt_planner is None:
-            from ...loop.rt import RtPlanner
-
-            self._rt_planner = RtPlanner(_RtSettings(batch, self.fusion.max_batch_size),
-                                         self.accelerator.num_processes)
-        return self._rt_planner.rt()
 
     # 2. experience ------------------------------------------------------------------------------
     def _experience(self, rollout: PPORollout) -> PPOExperience:
@@ -640,19 +632,6 @@ class FusedPPOTrainer(_BaseTrainer):
         self.state.epoch = self.state.episode / self.train_dataset_len
         self.state.global_step += 1
         self.log(metrics)
-
-
-class _RtSettings:
-    """The slice of the loop's configuration :class:`~rlhf_fusion.loop.rt.RtPlanner` reads."""
-
-    def __init__(self, batch: int, bs_max: int) -> None:
-        from types import SimpleNamespace
-
-        self.generation = SimpleNamespace(prompts_per_iteration=batch, bs_max=bs_max,
-                                          kv_capacity_tokens=None)
-
-    def rt_samples(self, _: Any) -> None:
-        return None
 
 
 @dataclass
