@@ -97,15 +97,15 @@ def test_off_is_stock_bit_for_bit(stock_run, tmp_path):
                 "response_length/p99"} <= mine.keys()
 
 
-@pytest.mark.parametrize("plugin", ["gae", "trim_padding"])
+@pytest.mark.parametrize("plugin", ["gae", "trim_padding", "padding_free"])
 def test_one_plugin_stays_within_1e5_of_stock(stock_run, tmp_path, plugin):
     tr = _trainer(FusedPPOTrainer, tmp_path, fusion=FusionConfig.off().with_(**{plugin: True}))
     tr.train()
     params, logs = stock_run
     diff = _max_diff(_params(tr), params)
     assert diff <= 1e-5
-    if plugin == "trim_padding":
-        assert diff > 0  # the micro-batches really were cut (different matmul shapes)
+    if plugin != "gae":
+        assert diff > 0  # the micro-batches really were cut or packed (other matmul shapes)
     for mine, stock in zip(_logs(tr), logs):
         for k in ("objective/kl", "loss/policy_avg", "loss/value_avg", "val/ratio",
                   "policy/approxkl_avg"):

@@ -503,7 +503,6 @@ class FusedPPOTrainer(_BaseTrainer):
             return self._pipelined_epochs(rollout, exp)
         a = self.args
         ctx = rollout.context_length
-        pad_id = self.processing_class.pad_token_id
         full_r = exp.responses.shape[1]
         for epoch in range(a.num_ppo_epochs):
             order = np.random.permutation(a.local_batch_size)
@@ -518,17 +517,18 @@ class FusedPPOTrainer(_BaseTrainer):
                         # in the loss: cutting them changes no loss term.
                         r = (min(full_r, int(exp.sequence_lengths[inds].max()) + 2)
                              if self.fusion.trim_padding else full_r)
-                        output, vpred = lm_forward(
-                            self.model, rollout.query_responses[inds, : ctx + r], pad_id)
+                        logits, vpred = self._forward(
+                            rollout.query_responses[inds, : ctx + r], ctx,
+                            ctx + exp.sequence_lengths[inds] + 1)
                         pol = policy_terms(
-                            logits=output.logits[:, ctx - 1: -1],
+                            logits=logits[:, ctx - 1: -1],
                             responses=exp.responses[inds, :r],
                             old_logprobs=exp.logprobs[inds, :r],
                             advantages=exp.advantages[inds, :r],
                             padding_mask=exp.padding_mask[inds, :r],
                             temperature=a.temperature, cliprange=a.cliprange)
                         val = value_terms(
-                            vpred=vpred[:, ctx - 1: -1].squeeze(-1),
+                            vpred=vpred[:, ctx - 1: -1],
                             old_values=exp.values[inds, :r], returns=exp.returns[inds, :r],
                             padding_mask_p1=exp.padding_mask_p1[inds, :r],
                             cliprange_value=a.cliprange_value)
@@ -539,6 +539,64 @@ class FusedPPOTrainer(_BaseTrainer):
                             # Trimmed columns hold diff 0 and ratio 1 exactly: rescale the
                             # means to the full width so the logged values match stock TRL.
                             self._record(epoch, mb_idx, ga_idx, pol, val, r / full_r)
+
+    def _forward(self, query_responses: torch.Tensor, context_length: int,
+                 critic_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Actor logits ``[b, T, V]`` and Critic values ``[b, T]`` of right-padded rows:
+        padded as TRL runs them, or padding-free (``fusion.padding_free``): the rows' real
+        tokens bin-packed into fewer rows under a block-diagonal causal mask, their positions
+        unchanged, the outputs scattered back (zeros at padding).
+
+        Two pad columns carry loss terms in TRL's padded forward: ``context_length - 1``
+        (it predicts the first response token; a pad when queries are right-padded) and
+        ``critic_end`` ``[b]`` (the Critic is trained one position past each response). There a
+        pad reads the earlier real tokens, not itself, and nothing reads it; the packed
+        forward keeps such slots with exactly that mask.
+        """
+        pad_id = self.processing_class.pad_token_id
+        impl = self._packable_attention()
+        if not self.fusion.padding_free or impl is None:
+            output, values = lm_forward(self.model, query_responses, pad_id)
+            return output.logits, values.squeeze(-1)
+        from .packing import attention_mask_for, pack, unpack
+
+        b, t = query_responses.shape
+        mask = query_responses != pad_id
+        rows = torch.arange(b, device=mask.device)
+        shadow = torch.zeros_like(mask)
+        shadow[:, context_length - 1] = True
+        has_end = critic_end < t
+        shadow[rows[has_end], critic_end[has_end]] = True
+        shadow &= ~mask
+        packed = pack(torch.masked_fill(query_responses, ~mask, 0), mask | shadow)
+        positions = (mask.cumsum(1) - mask.long()).reshape(-1)
+        packed_pos = torch.zeros_like(packed.position_ids).view(-1)
+        packed_pos[packed.dst] = positions[packed.src]
+        slot_of = torch.full((b * t,), -1, dtype=torch.long, device=mask.device)
+        slot_of[packed.src] = packed.dst
+        slots = slot_of[shadow.reshape(-1).nonzero(as_tuple=True)[0]]
+        attn = packed.attention_mask.clone()
+        r, c = slots // packed.capacity, slots % packed.capacity
+        attn[r, 0, :, c] = False  # nothing reads a pad slot ...
+        attn[r, 0, c, c] = False  # ... and it does not read itself
+        dtype = next(self.policy_model.parameters()).dtype
+        output, values = self.model(
+            input_ids=packed.input_ids, position_ids=packed_pos.view_as(packed.position_ids),
+            attention_mask=attention_mask_for(attn, impl, dtype),
+            return_dict=True, output_hidden_states=True)
+        return unpack(output.logits, packed), unpack(values.squeeze(-1), packed)
+
+    def _packable_attention(self) -> str | None:
+        """The attention both models use when it takes a dense 4D mask and has no sliding
+        window (what a packed forward needs), else None (the padded forward is used)."""
+        impls = set()
+        for m in (self.policy_model, self.value_model):
+            cfg = m.config
+            if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+                return None
+            impls.add(getattr(cfg, "_attn_implementation", None))
+        impl = impls.pop() if len(impls) == 1 else None
+        return impl if impl in ("sdpa", "eager") else None
 
     def _pipelined_epochs(self, rollout: PPORollout, exp: PPOExperience) -> None:
         """The same epochs, mini-batches and micro-batches on the fused pipeline: each
