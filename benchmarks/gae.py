@@ -36,6 +36,7 @@ from _harness import (  # noqa: E402
     write_results,
 )
 
+from rlhf_fusion.integrations.trl.experience import reverse_loop_gae  # noqa: E402
 from rlhf_fusion.triton_kernels import gae_torch  # noqa: E402
 
 GAMMA, LAM = 0.99, 0.95
@@ -50,20 +51,11 @@ CPU_BAR, GPU_BW_BAR, GPU_SPEED_BAR = 50.0, 0.60, 100.0
 
 
 def trl_loop(rewards, values, padding_mask, gamma=GAMMA, lam=LAM):
-    """trl.trainer.ppo_trainer.PPOTrainer.train, "compute advantages and returns"."""
+    """trl's PPOTrainer.train, "compute advantages and returns": zero the padding, then the
+    reverse loop (the same arithmetic FusedPPOTrainer runs with its GAE plugin off)."""
     values = torch.masked_fill(values, padding_mask, 0)
     rewards = torch.masked_fill(rewards, padding_mask, 0)
-    lastgaelam = 0
-    advantages_reversed = []
-    gen_length = rewards.shape[1]
-    for t in reversed(range(gen_length)):
-        nextvalues = values[:, t + 1] if t < gen_length - 1 else 0.0
-        delta = rewards[:, t] + gamma * nextvalues - values[:, t]
-        lastgaelam = delta + gamma * lam * lastgaelam
-        advantages_reversed.append(lastgaelam)
-    advantages = torch.stack(advantages_reversed[::-1], axis=1)
-    returns = advantages + values
-    return advantages, returns
+    return reverse_loop_gae(rewards, values, gamma, lam)
 
 
 def verl_loop(token_level_rewards, values, response_mask, gamma=GAMMA, lam=LAM):

@@ -43,6 +43,26 @@ def pct(xs: list[int], q: float) -> int:
     return s[min(len(s) - 1, int(q * len(s)))]
 
 
+def _compare(algo: str, runs: dict[str, Any]) -> dict[str, Any]:
+    """Run each variant in order (``runs``: name -> thunk), print its samples/s and length
+    distribution, and add the fused-over-stock speedup and the tail ratio."""
+    out: dict[str, Any] = {}
+    for name, run_fn in runs.items():
+        run = run_fn()
+        ln = run["lengths"]
+        print(f"{algo} {name:>5}: {run['samples_per_s']:.1f} samples/s over {run['steps'] - 1} "
+              f"timed steps ({run['timed_s']:.2f} s); lengths p50 {pct(ln, 0.5)}, p90 "
+              f"{pct(ln, 0.9)}, p99 {pct(ln, 0.99)}, max {max(ln)} (n={len(ln)})",
+              file=sys.stderr)
+        out[name] = run
+    out["speedup"] = out["fused"]["samples_per_s"] / out["stock"]["samples_per_s"]
+    ln = out["fused"]["lengths"]
+    out["p99_over_median"] = pct(ln, 0.99) / max(1, pct(ln, 0.5))
+    print(f"{algo}: fused {out['speedup']:.2f}x stock samples/s; p99/median length "
+          f"{out['p99_over_median']:.1f}", file=sys.stderr)
+    return out
+
+
 def _grpo_run(args: argparse.Namespace, model_dir: str, fused: bool) -> dict[str, Any]:
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
@@ -100,21 +120,8 @@ def bench_grpo(args: argparse.Namespace) -> dict[str, Any]:
     model_dir = tiny_model_dir(tempfile.mkdtemp(prefix="bench-trl-model-"), seed=args.seed,
                                eos_bias=args.eos_bias, hidden_size=args.hidden,
                                layers=args.layers, max_positions=args.max_new_tokens + 64)
-    out: dict[str, Any] = {}
-    for name, fused in (("stock", False), ("fused", True)):
-        run = _grpo_run(args, model_dir, fused)
-        ln = run["lengths"]
-        print(f"grpo {name:>5}: {run['samples_per_s']:.1f} samples/s over {run['steps'] - 1} "
-              f"timed steps ({run['timed_s']:.2f} s); lengths p50 {pct(ln, 0.5)}, p90 "
-              f"{pct(ln, 0.9)}, p99 {pct(ln, 0.99)}, max {max(ln)} (n={len(ln)})",
-              file=sys.stderr)
-        out[name] = run
-    out["speedup"] = out["fused"]["samples_per_s"] / out["stock"]["samples_per_s"]
-    ln = out["fused"]["lengths"]
-    out["p99_over_median"] = pct(ln, 0.99) / max(1, pct(ln, 0.5))
-    print(f"grpo: fused {out['speedup']:.2f}x stock samples/s; p99/median length "
-          f"{out['p99_over_median']:.1f}", file=sys.stderr)
-    return out
+    return _compare("grpo", {name: (lambda fused=fused: _grpo_run(args, model_dir, fused))
+                             for name, fused in (("stock", False), ("fused", True))})
 
 
 def _write_grpo(args: argparse.Namespace, res: dict[str, Any]) -> None:
@@ -259,21 +266,8 @@ def bench_ppo(args: argparse.Namespace) -> dict[str, Any]:
                                eos_bias=args.eos_bias, hidden_size=args.hidden,
                                layers=args.layers, max_positions=args.max_new_tokens + 64)
     fusions = {"stock": None, "off": FusionConfig.off(), "fused": FusionConfig()}
-    out: dict[str, Any] = {}
-    for name in PPO_VARIANTS:
-        run = _ppo_run(args, model_dir, fusions[name])
-        ln = run["lengths"]
-        print(f"ppo {name:>5}: {run['samples_per_s']:.1f} samples/s over {run['steps'] - 1} "
-              f"timed steps ({run['timed_s']:.2f} s); lengths p50 {pct(ln, 0.5)}, p90 "
-              f"{pct(ln, 0.9)}, p99 {pct(ln, 0.99)}, max {max(ln)} (n={len(ln)})",
-              file=sys.stderr)
-        out[name] = run
-    out["speedup"] = out["fused"]["samples_per_s"] / out["stock"]["samples_per_s"]
-    ln = out["fused"]["lengths"]
-    out["p99_over_median"] = pct(ln, 0.99) / max(1, pct(ln, 0.5))
-    print(f"ppo: fused {out['speedup']:.2f}x stock samples/s; p99/median length "
-          f"{out['p99_over_median']:.1f}", file=sys.stderr)
-    return out
+    return _compare("ppo", {name: (lambda f=fusions[name]: _ppo_run(args, model_dir, f))
+                            for name in PPO_VARIANTS})
 
 
 def _write_ppo(args: argparse.Namespace, res: dict[str, Any]) -> None:
