@@ -129,6 +129,12 @@ def cmd_plan_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_openrlhf(args: argparse.Namespace) -> int:
+    from .integrations.openrlhf.launch import main as openrlhf_main
+
+    return openrlhf_main(args.openrlhf_argv)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .schedule import SOLVERS
 
@@ -172,6 +178,13 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("plan-migration", help="simulate long-tail migration and choose R_t and m")
     add_plan_migration_parser(m)
     m.set_defaults(func=run_plan_migration)
+
+    # OpenRLHF's flags pass through untouched: this subparser parses none of them ("-" is not
+    # its prefix), rlhf_fusion.integrations.openrlhf splits off the --fusion.* ones.
+    o = sub.add_parser("openrlhf", prefix_chars="\x00", add_help=False,
+                       help="OpenRLHF's train_ppo_ray (every flag) with --fusion.* plugins")
+    o.add_argument("openrlhf_argv", nargs="*")
+    o.set_defaults(func=cmd_openrlhf)
     return parser
 
 

@@ -1,0 +1,112 @@
+"""The OpenRLHF versions and private seams this integration patches, checked at start.
+
+OpenRLHF has no plugin API: the integration replaces methods by name and reads its CLI module's
+source. A release that renames or re-signs one of them must fail here, with the supported range,
+not midway through a Ray job.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import importlib.util
+import inspect
+from pathlib import Path
+
+__all__ = ["SUPPORTED", "OpenRLHFVersionError", "check_seams", "check_version"]
+
+SUPPORTED = (">=0.11.2", "<0.12")  # verified against 0.11.2; the seams below guard the rest
+SUPPORTED_TEXT = "openrlhf>=0.11.2,<0.12"
+TRAIN_MODULE = "openrlhf.cli.train_ppo_ray"
+
+
+class OpenRLHFVersionError(RuntimeError):
+    """OpenRLHF missing, or a version whose seams differ from the ones patched here."""
+
+
+def installed_version() -> str:
+    try:
+        return importlib.metadata.version("openrlhf")
+    except importlib.metadata.PackageNotFoundError:
+        raise OpenRLHFVersionError(
+            f"OpenRLHF is not installed; pip install 'rlhf-fusion[openrlhf]' ({SUPPORTED_TEXT})"
+        ) from None
+
+
+def check_version(version: str | None = None) -> str:
+    """The installed (or given) OpenRLHF version if supported, else an OpenRLHFVersionError."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    version = installed_version() if version is None else version
+    if Version(version) not in SpecifierSet(",".join(SUPPORTED)):
+        raise OpenRLHFVersionError(
+            f"openrlhf {version} is not supported by rlhf_fusion.integrations.openrlhf; "
+            f"install {SUPPORTED_TEXT} (pip install 'openrlhf==0.11.2') or run OpenRLHF stock")
+    return version
+
+
+def _params(fn: object) -> list[str]:
+    # Ray adds _ray_trace_ctx to the methods of an actor class
+    return [p for p in inspect.signature(fn).parameters  # type: ignore[arg-type]
+            if p != "_ray_trace_ctx"]
+
+
+def _expect(where: str, got: list[str], want: list[str], version: str) -> None:
+    if got != want:
+        raise OpenRLHFVersionError(
+            f"openrlhf {version}: {where} takes {got}, the integration patches {want}; "
+            f"install {SUPPORTED_TEXT}")
+
+
+def check_train_module(version: str) -> Path:
+    """``train_ppo_ray``'s file, after checking that ``train(args)`` skips ``ray.init`` when Ray
+    is up and that the parser runs under ``__main__`` (read, not imported: the launcher runs
+    the module as ``__main__`` once, with the stock argv)."""
+    spec = importlib.util.find_spec(TRAIN_MODULE)
+    if spec is None or spec.origin is None:
+        raise OpenRLHFVersionError(f"openrlhf {version} has no {TRAIN_MODULE}; "
+                                   f"install {SUPPORTED_TEXT}")
+    src = Path(spec.origin).read_text()
+    for needle in ("def train(args)", "if not ray.is_initialized()", 'if __name__ == "__main__"'):
+        if needle not in src:
+            raise OpenRLHFVersionError(f"openrlhf {version}: {TRAIN_MODULE} lacks {needle!r}, "
+                                       f"which the launcher relies on; install {SUPPORTED_TEXT}")
+    return Path(spec.origin)
+
+
+def check_seams(*, gae: bool = True, stream: bool = True) -> str:
+    """Import the patched modules and check every seam; returns the version."""
+    version = check_version()
+    check_train_module(version)
+    if gae:
+        em = importlib.import_module("openrlhf.trainer.ppo_utils.experience_maker")
+        _expect("RemoteExperienceMaker.get_advantages_and_returns",
+                _params(em.RemoteExperienceMaker.get_advantages_and_returns),
+                ["self", "values", "rewards", "action_mask", "gamma", "lambd"], version)
+    if stream:
+        sg = importlib.import_module("openrlhf.trainer.ppo_utils.samples_generator")
+        _expect("SamplesGenerator._generate_vllm", _params(sg.SamplesGenerator._generate_vllm),
+                ["self", "dataloader_iter", "num_prompts", "dynamic_filtering",
+                 "generate_kwargs"], version)
+        _expect("SamplesGenerator._dispatch_prompts_to_vllm",
+                _params(sg.SamplesGenerator._dispatch_prompts_to_vllm),
+                ["self", "prompts", "labels", "images", "generate_kwargs"], version)
+        _expect("SamplesGenerator._process_response_into_experience",
+                _params(sg.SamplesGenerator._process_response_into_experience),
+                ["self", "response", "generate_kwargs"], version)
+        if not callable(getattr(sg, "_collect_prompt_batch", None)):
+            raise OpenRLHFVersionError(f"openrlhf {version}: samples_generator has no "
+                                       f"_collect_prompt_batch; install {SUPPORTED_TEXT}")
+        ve = importlib.import_module("openrlhf.trainer.ray.vllm_engine")
+        actor = getattr(getattr(ve.RolloutRayActor, "__ray_metadata__", None),
+                        "modified_class", None)
+        if actor is None:
+            raise OpenRLHFVersionError(f"openrlhf {version}: RolloutRayActor is not a Ray actor "
+                                       f"class; install {SUPPORTED_TEXT}")
+        _expect("RolloutRayActor.generate", _params(actor.generate),
+                ["self", "prompt_token_ids", "sampling_params", "multi_modal_data"], version)
+        _expect("create_vllm_engines' RolloutRayActor lookup",
+                ["RolloutRayActor"] if "RolloutRayActor" in ve.create_vllm_engines.__code__.co_names
+                else [], ["RolloutRayActor"], version)
+    return version

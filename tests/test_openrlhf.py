@@ -1,0 +1,227 @@
+"""OpenRLHF integration: flags, version guard, the Ray setup hook (asserted inside real local Ray
+workers) and the gae plugin against OpenRLHF's own method. Skipped without openrlhf and ray;
+vllm/flash_attn/deepspeed are stubbed (``integrations.openrlhf.testing``)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+pytest.importorskip("openrlhf")
+ray = pytest.importorskip("ray")
+torch = pytest.importorskip("torch")
+
+from rlhf_fusion.integrations.openrlhf import (  # noqa: E402
+    FUSION_FLAGS,
+    FusionFlagError,
+    FusionOptions,
+    split_argv,
+)
+from rlhf_fusion.integrations.openrlhf.testing import (  # noqa: E402
+    HOOK_WITH_STUBS,
+    install_cpu_stubs,
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stubs():
+    install_cpu_stubs()
+
+
+@pytest.fixture()
+def clean_plugins():
+    from rlhf_fusion.integrations.openrlhf import plugins
+
+    yield plugins
+    plugins.uninstall_plugins()
+
+
+STOCK = ["--actor.model_name_or_path", "Qwen/Qwen2.5-0.5B-Instruct", "--vllm.num_engines", "2",
+         "--train.colocate_all", "--algo.advantage.estimator", "gae", "--rollout.batch_size", "4",
+         "--actor.num_gpus_per_node", "2"]
+
+
+def test_split_keeps_stock_flags_in_order_and_parses_ours():
+    argv = STOCK[:4] + ["--fusion.gae", "--fusion.rt", "0.25"] + STOCK[4:] + [
+        "--fusion.mechanism=auto", "--fusion.stream"]
+    stock, opts = split_argv(argv)
+    assert stock == STOCK
+    assert opts == FusionOptions(stream=True, rt=0.25, mechanism="auto", gae=True)
+    assert split_argv(["--fusion.rt=auto"])[1].rt == "auto"
+    assert split_argv(["--fusion.rt=auto"])[1].stream  # migration moves streamed requests
+    assert split_argv(STOCK) == (STOCK, FusionOptions())
+
+
+@pytest.mark.parametrize("bad", [["--fusion.gea"], ["--fusion.rt", "1.5"], ["--fusion.rt"],
+                                 ["--fusion.mechanism", "kv"], ["--fusion.gae=1"]])
+def test_bad_fusion_flags_are_errors(bad):
+    with pytest.raises(FusionFlagError):
+        split_argv(STOCK + bad)
+
+
+def test_unknown_flag_lists_the_known_ones(capsys):
+    from rlhf_fusion.cli import main
+
+    assert main(["openrlhf", *STOCK, "--fusion.streaming"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown flag --fusion.streaming" in err
+    for flag in FUSION_FLAGS:
+        assert flag in err
+
+
+def test_version_guard_names_the_supported_range():
+    from rlhf_fusion.integrations.openrlhf.compat import OpenRLHFVersionError, check_version
+
+    assert check_version("0.11.2") == "0.11.2"
+    for bad in ("0.10.1", "0.11.1", "0.12.0"):
+        with pytest.raises(OpenRLHFVersionError, match=r"openrlhf>=0\.11\.2,<0\.12"):
+            check_version(bad)
+
+
+def test_seam_check_fails_on_a_changed_signature(monkeypatch):
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    from rlhf_fusion.integrations.openrlhf.compat import OpenRLHFVersionError, check_seams
+
+    assert check_seams() == "0.11.2"
+    monkeypatch.setattr(RemoteExperienceMaker, "get_advantages_and_returns",
+                        lambda self, values, rewards, action_mask, gamma, lam: None)
+    with pytest.raises(OpenRLHFVersionError, match="get_advantages_and_returns"):
+        check_seams()
+
+
+def test_stock_parser_gets_the_stock_flags_and_train_skips_ray_init(monkeypatch, clean_plugins):
+    """The launcher runs train_ppo_ray's own __main__; its train(args) finds Ray up."""
+    import openrlhf.utils
+
+    from rlhf_fusion.integrations.openrlhf import launch
+    from rlhf_fusion.integrations.openrlhf.hook import HOOK
+
+    inits = []
+    monkeypatch.setattr(ray, "is_initialized", lambda: bool(inits))
+    monkeypatch.setattr(ray, "init", lambda **kw: inits.append(kw))
+
+    class Reached(Exception):
+        pass
+
+    def get_strategy(args):
+        raise Reached(args)
+
+    monkeypatch.setattr(openrlhf.utils, "get_strategy", get_strategy)
+    argv = [*STOCK, "--critic.model_name_or_path", "Qwen/Qwen2.5-0.5B-Instruct",
+            "--reward.model_name_or_path", "rm", "--fusion.gae"]
+    with pytest.raises(Reached) as got:
+        launch.main(argv)
+    args = got.value.args[0]
+    assert args.actor.model_name_or_path == "Qwen/Qwen2.5-0.5B-Instruct"
+    assert args.vllm.num_engines == 2 and args.train.colocate_all
+    assert args.actor.num_gpus_per_node == 2
+    assert args.algo.advantage.estimator == "gae" and args.rollout.batch_size == 4
+    assert not hasattr(args, "fusion")
+    assert len(inits) == 1  # ours; the stock train saw Ray up and did not init again
+    env = inits[0]["runtime_env"]
+    assert env["worker_process_setup_hook"] == HOOK
+    assert FusionOptions.from_env(env["env_vars"]) == FusionOptions(gae=True)
+    assert env["env_vars"]["NCCL_DEBUG"]  # the stock train's own env vars are kept
+    assert clean_plugins.installed_plugins() == ["gae"]  # the driver, too
+    assert sys.argv[0] != "openrlhf/cli/train_ppo_ray.py"  # restored
+
+
+def test_pipeline_flag_is_refused_with_a_reason(clean_plugins):
+    with pytest.raises(NotImplementedError, match="drop the flag"):
+        clean_plugins.install_plugins(FusionOptions(pipeline=True))
+
+
+def _random_case(seed, kind):
+    g = torch.Generator().manual_seed(seed)
+    b, t = 5, 70
+    values = torch.randn(b, t, generator=g)
+    rewards = torch.randn(b, t, generator=g)
+    lengths = torch.randint(1, t + 1, (b,), generator=g)
+    mask = torch.arange(t)[None] < lengths[:, None]
+    if kind == "left":
+        mask = mask.flip(-1)
+    elif kind == "holes":
+        mask = torch.rand(b, t, generator=g) > 0.3
+    elif kind == "none":
+        mask = None
+    return values, rewards, mask
+
+
+@pytest.mark.parametrize("kind", ["right", "left", "holes", "none"])
+@pytest.mark.parametrize("gamma,lam", [(1.0, 0.95), (0.99, 0.9), (1.0, 1.0)])
+def test_gae_plugin_equals_openrlhf_method(kind, gamma, lam, clean_plugins):
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    stock = RemoteExperienceMaker.get_advantages_and_returns
+    clean_plugins.install_plugins(FusionOptions(gae=True))
+    fused = RemoteExperienceMaker.get_advantages_and_returns
+    assert fused is not stock
+    for seed in range(3):
+        values, rewards, mask = _random_case(seed, kind)
+        # OpenRLHF passes the action mask as it comes (bool or long)
+        for m in (mask, None if mask is None else mask.long()):
+            want = stock(None, values, rewards, m, gamma, lam)
+            got = fused(None, values, rewards, m, gamma, lam)
+            for w, o in zip(want, got):
+                assert o.dtype == w.dtype and o.shape == w.shape
+                torch.testing.assert_close(o, w, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def ray_with_hook():
+    from rlhf_fusion.integrations.openrlhf.launch import ray_runtime_env
+
+    if ray.is_initialized():
+        ray.shutdown()
+    opts = FusionOptions(gae=True, stream=True, rt=0.75)
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env=ray_runtime_env(opts, hook=HOOK_WITH_STUBS))
+    yield opts
+    ray.shutdown()
+
+
+@ray.remote(num_cpus=0)
+class _Probe:
+    """Stands in for OpenRLHF's @ray.remote trainers: a real, separate worker process."""
+
+    def report(self, seed):
+        import os
+
+        import torch
+        from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+        from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+
+        from rlhf_fusion.integrations.openrlhf import plugins
+        from rlhf_fusion.integrations.openrlhf.gae_plugin import fused_get_advantages_and_returns
+        from rlhf_fusion.integrations.openrlhf.streaming import fusion_generate_vllm
+
+        g = torch.Generator().manual_seed(seed)
+        v, r = torch.randn(3, 40, generator=g), torch.randn(3, 40, generator=g)
+        m = torch.rand(3, 40, generator=g) > 0.2
+        maker = RemoteExperienceMaker.__new__(RemoteExperienceMaker)
+        got = maker.get_advantages_and_returns(v, r, m, 0.99, 0.95)
+        want = plugins._INSTALLED["gae"](maker, v, r, m, 0.99, 0.95)
+        return {
+            "pid": os.getpid(),
+            "plugins": plugins.installed_plugins(),
+            "gae_is_ours": RemoteExperienceMaker.get_advantages_and_returns
+            is fused_get_advantages_and_returns,
+            "stream_is_ours": SamplesGenerator._generate_vllm is fusion_generate_vllm,
+            "max_err": max(float((a - b).abs().max()) for a, b in zip(got, want)),
+        }
+
+
+def test_setup_hook_installs_plugins_inside_ray_workers(ray_with_hook):
+    import os
+
+    probes = [_Probe.remote() for _ in range(2)]
+    reports = ray.get([p.report.remote(i) for i, p in enumerate(probes)], timeout=120)
+    for rep in reports:
+        assert rep["pid"] != os.getpid()
+        assert rep["plugins"] == ["gae", "migrate", "stream"]
+        assert rep["gae_is_ours"] and rep["stream_is_ours"]
+        assert rep["max_err"] <= 1e-5
+    for p in probes:
+        ray.kill(p)
