@@ -260,7 +260,9 @@ def test_two_process_migration_gives_the_same_batch(tailed_model_dir, tmp_path):
     from rlhf_fusion.testing.trl import grpo_rank_worker
 
     runs = []
-    for kw in ({"migrate": True, "rt": 0.5, "mechanism": "kv"}, {"migrate": False}):
+    # R_t at 90% of the batch: migration starts while both processes still decode, so
+    # samples move whatever the timing of the first finishes.
+    for kw in ({"migrate": True, "rt": 0.9, "mechanism": "kv"}, {"migrate": False}):
         res = run_ranks(grpo_rank_worker, 2, tailed_model_dir, str(tmp_path / "out"), kw,
                         timeout=240)
         runs.append([r.value for r in sorted(res, key=lambda r: r.rank)])
