@@ -24,17 +24,19 @@ __all__ = ["CharTokenizer", "FakeAsyncLLM", "install_cpu_stubs", "setup_worker_w
 HOOK_WITH_STUBS = f"{__name__}.setup_worker_with_cpu_stubs"
 
 
-class _Stub(types.ModuleType):
-    def __getattr__(self, name: str) -> Any:
+def _missing_name(module: str):
+    def __getattr__(name: str) -> Any:  # noqa: N807 - PEP 562 module __getattr__
         if name.startswith("__"):
             raise AttributeError(name)
-        raise AttributeError(f"{self.__name__}.{name} is not in rlhf_fusion's CPU stub; add it "
-                             "to integrations/openrlhf/testing.py if OpenRLHF now needs it")
+        raise AttributeError(f"{module}.{name} is not in rlhf_fusion's CPU stub; add it to "
+                             "integrations/openrlhf/testing.py if OpenRLHF now needs it")
+    return __getattr__
 
 
 def _module(name: str, **attrs: Any) -> types.ModuleType:
-    mod = _Stub(name)
-    mod.__dict__.update(attrs)
+    # a plain ModuleType (cloudpickle pickles exactly that type by reference, for Ray workers)
+    mod = types.ModuleType(name)
+    mod.__dict__.update(attrs, __getattr__=_missing_name(name))
     mod.__path__ = []  # a package, so submodules resolve
     mod.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
     sys.modules[name] = mod

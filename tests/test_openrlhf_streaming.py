@@ -1,0 +1,112 @@
+"""OpenRLHF integration: streaming sample generation with long-tail migration, on real local Ray
+actors running OpenRLHF's RolloutRayActor over a fake engine with vLLM AsyncLLM's semantics,
+against the stock SamplesGenerator._generate_vllm."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+pytest.importorskip("openrlhf")
+ray = pytest.importorskip("ray")
+torch = pytest.importorskip("torch")
+
+from rlhf_fusion.integrations.openrlhf import FusionOptions  # noqa: E402
+from rlhf_fusion.integrations.openrlhf.testing import (  # noqa: E402
+    HOOK_WITH_STUBS,
+    CharTokenizer,
+    install_cpu_stubs,
+)
+
+MODEL = "fake:vocab=12,eos=0,tick_s=0.003"
+PROMPTS = [f"prompt {i} " + "x" * (i % 5) for i in range(12)]
+N = 2
+
+
+@pytest.fixture(scope="module")
+def setup():
+    install_cpu_stubs()
+    from openrlhf.trainer.ray import vllm_engine as ve
+
+    from rlhf_fusion.integrations.openrlhf import plugins
+    from rlhf_fusion.integrations.openrlhf.engine import make_fusion_rollout_actor
+    from rlhf_fusion.integrations.openrlhf.launch import ray_runtime_env
+
+    stock_actor = ve.RolloutRayActor
+    if ray.is_initialized():
+        ray.shutdown()
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env=ray_runtime_env(FusionOptions(), hook=HOOK_WITH_STUBS))
+
+    def engines(cls):
+        return [cls.options(num_cpus=0).remote(model=MODEL, seed=i, num_gpus=0)
+                for i in range(2)]
+
+    stock = engines(stock_actor)
+    fused = engines(make_fusion_rollout_actor(stock_actor))
+    ray.get([e.get_num_unfinished_requests.remote() for e in stock + fused], timeout=120)
+    yield SimpleNamespace(stock=stock, fused=fused, plugins=plugins)
+    plugins.uninstall_plugins()
+    ray.shutdown()
+
+
+def _generator(engines):
+    from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+
+    args = SimpleNamespace(
+        rollout=SimpleNamespace(n_samples_per_prompt=N, batch_size=len(PROMPTS)),
+        algo=SimpleNamespace(advantage=SimpleNamespace(is_correction_level="tis"),
+                             dynamic_filtering_range=(0.0, 1.0)),
+        vllm=SimpleNamespace(enable_sleep=False))
+    return SamplesGenerator(SimpleNamespace(args=args), None, None, CharTokenizer(), engines)
+
+
+def _run(gen, temperature):
+    loader = iter([(None, PROMPTS[i:i + 4], [f"l{i + j}" for j in range(4)], [None] * 4)
+                   for i in range(0, len(PROMPTS), 4)])
+    return gen._generate_vllm(loader, len(PROMPTS), False, max_len=40, max_new_tokens=24,
+                              temperature=temperature, top_p=1.0)
+
+
+def _key(e):
+    return (e.prompts[0], e.labels[0], tuple(e.sequences[0].tolist()),
+            tuple(e.action_mask[0].tolist()), tuple(e.rollout_log_probs[0].tolist()),
+            bool(e.truncated[0]), int(e.response_length[0]))
+
+
+def _stock(setup, temperature):
+    from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+
+    setup.plugins.uninstall_plugins()
+    assert SamplesGenerator._generate_vllm.__module__.startswith("openrlhf.")
+    return _run(_generator(setup.stock), temperature)
+
+
+def _fused(setup, temperature, rt):
+    setup.plugins.install_plugins(FusionOptions(stream=True, rt=rt))
+    gen = _generator(setup.fused)
+    return gen, _run(gen, temperature)
+
+
+def test_streaming_with_migration_returns_the_stock_samples_exactly_once(setup):
+    want, consumed, exhausted = _stock(setup, temperature=0.0)
+    gen, (got, consumed2, exhausted2) = _fused(setup, temperature=0.0, rt=0.75)
+    stats = gen._fusion_stats
+    assert stats.migrated, "the tail was not migrated; the test would prove nothing"
+    assert len(got) == len(want) == len(PROMPTS) * N == stats.samples
+    assert (consumed2, exhausted2) == (consumed, exhausted)
+    # greedy: a migrated sample (prompt + generated ids resubmitted) continues as unmoved
+    assert sorted(map(_key, got)) == sorted(map(_key, want))
+    # every migrated sample was finished by another engine than the one it started on
+    assert stats.requests == stats.samples + len(stats.migrated)
+
+
+def test_sampled_streaming_with_migration_is_exactly_once(setup):
+    gen, (got, _, _) = _fused(setup, temperature=1.0, rt=0.75)
+    stats = gen._fusion_stats
+    assert stats.migrated
+    assert sorted(e.prompts[0] for e in got) == sorted(PROMPTS * N)
+    for e in got:  # rollout logprobs line up with the tokens of migrated samples too
+        n_act = int(e.action_mask[0].sum())
+        assert n_act == int(e.response_length[0]) and 1 <= n_act <= 24
