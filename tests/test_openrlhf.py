@@ -21,12 +21,15 @@ from rlhf_fusion.integrations.openrlhf import (  # noqa: E402
 from rlhf_fusion.integrations.openrlhf.testing import (  # noqa: E402
     HOOK_WITH_STUBS,
     install_cpu_stubs,
+    remove_cpu_stubs,
 )
 
 
 @pytest.fixture(scope="module", autouse=True)
 def _stubs():
-    install_cpu_stubs()
+    added = install_cpu_stubs()
+    yield
+    remove_cpu_stubs(added)
 
 
 @pytest.fixture()

@@ -17,6 +17,7 @@ from rlhf_fusion.integrations.openrlhf.testing import (  # noqa: E402
     HOOK_WITH_STUBS,
     CharTokenizer,
     install_cpu_stubs,
+    remove_cpu_stubs,
 )
 
 MODEL = "fake:vocab=12,eos=0,tick_s=0.003"
@@ -26,7 +27,7 @@ N = 2
 
 @pytest.fixture(scope="module")
 def setup():
-    install_cpu_stubs()
+    added = install_cpu_stubs()
     from openrlhf.trainer.ray import vllm_engine as ve
 
     from rlhf_fusion.integrations.openrlhf import plugins
@@ -49,6 +50,7 @@ def setup():
     yield SimpleNamespace(stock=stock, fused=fused, plugins=plugins)
     plugins.uninstall_plugins()
     ray.shutdown()
+    remove_cpu_stubs(added)
 
 
 def _generator(engines):

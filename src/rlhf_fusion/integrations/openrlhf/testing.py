@@ -75,10 +75,13 @@ def _unavailable(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("this is rlhf_fusion's CPU stub: the real package needs CUDA")
 
 
-def install_cpu_stubs() -> None:
-    """Put the stubs in ``sys.modules`` for the packages that are not importable here."""
+def install_cpu_stubs() -> list[str]:
+    """Put the stubs in ``sys.modules`` for the packages that are not importable here; returns
+    the module names added (for :func:`remove_cpu_stubs`)."""
     def missing(name: str) -> bool:
         return name not in sys.modules and importlib.util.find_spec(name) is None
+
+    before = set(sys.modules)
 
     if missing("vllm"):
         _module("vllm", __version__="0.29.0", SamplingParams=SamplingParams,
@@ -98,6 +101,13 @@ def install_cpu_stubs() -> None:
         _module("deepspeed.runtime.zero")
         _module("deepspeed.runtime.zero.partition_parameters",
                 ZeroParamStatus=types.SimpleNamespace(NOT_AVAILABLE="NOT_AVAILABLE"))
+    return sorted(set(sys.modules) - before)
+
+
+def remove_cpu_stubs(names: list[str]) -> None:
+    """Take the stubs out again, so later tests in the same process see vLLM as missing."""
+    for name in names:
+        sys.modules.pop(name, None)
 
 
 def setup_worker_with_cpu_stubs() -> None:
