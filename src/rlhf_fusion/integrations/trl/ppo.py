@@ -415,7 +415,6 @@ class FusedPPOTrainer(_BaseTrainer):
         b = queries.shape[0]
         # Sample i of process r is global sample i * world + r: run_rollout's shard of r.
         my_ids = [i * world + rank for i in range(b)]
-        seed = self.local_seed * 1_000_003 + update
         stop = () if self.stop_token_id is None else (int(self.stop_token_id),)
         gen = dict(pad_id=pad_id, max_new_tokens=args.response_length,
                    temperature=args.temperature, stop_ids=stop)
@@ -425,11 +424,11 @@ class FusedPPOTrainer(_BaseTrainer):
             specs, query_rows = [], {}
             for r, q in enumerate(rows):
                 ids = [i * world + r for i in range(q.shape[0])]
-                specs += sample_specs(q, ids=ids, seed=self.args.seed * 1_000_003 + update
-                                      + 7919 * r, **gen)
+                specs += sample_specs(q, ids=ids, seed=self._sampling_seed(r, update), **gen)
                 query_rows.update({sid: q[j] for j, sid in enumerate(ids)})
         else:
-            specs = sample_specs(queries, ids=my_ids, seed=seed, **gen)
+            specs = sample_specs(queries, ids=my_ids, seed=self._sampling_seed(rank, update),
+                                 **gen)
             query_rows = {sid: queries[j].cpu() for j, sid in enumerate(my_ids)}
         scorer = RowScorer(ref=self.ref_model, critic=unwrapped.value_model,
                            reward=self.reward_model, query_rows=query_rows, pad_id=pad_id,
@@ -451,6 +450,12 @@ class FusedPPOTrainer(_BaseTrainer):
         return PPORollout(qr.to(dev), lp.to(dev), ref.to(dev), val.to(dev), scores.to(dev),
                           queries.shape[1], gen_s=total - scorer.seconds, inf_s=scorer.seconds,
                           stats=stats)
+
+    def _sampling_seed(self, process: int, update: int) -> int:
+        """The sampling key of ``process``'s samples in iteration ``update``: from that
+        process's TRL seed (``seed + 100003 * process``), so it does not depend on where the
+        samples end up decoding."""
+        return (self.args.seed + process * 100003) * 1_000_003 + update
 
     def _local_stream(self, backend: Any, scorer: RowScorer, specs: list[Any]) -> list[Any]:
         """Decode, and score each micro-batch of finished samples between decode steps."""
