@@ -29,14 +29,16 @@ ITERATIONS = 3
 
 
 def tiny(world: int = 2, *, inter: bool = True, intra: bool = True, mechanism: str = "kv",
-         critic_stages: int | None = None, rt: str | float = "auto", **kw) -> RLHFConfig:
+         critic_stages: int | None = None, pipeline_stages: int | None = None,
+         rt: str | float = "auto", micro_batches: int = 2, **kw) -> RLHFConfig:
     return RLHFConfig(
         models=ModelsConfig(actor={"family": "llama", "layers": 4, "hidden": 32}, seed=3),
         generation=GenerationConfig(prompts_per_iteration=16, max_new_tokens=40, seed=5),
-        ppo=PPOLoopConfig(num_ppo_epochs=2, num_mini_batches=2, micro_batches=2,
+        ppo=PPOLoopConfig(num_ppo_epochs=2, num_mini_batches=2, micro_batches=micro_batches,
                           learning_rate=3e-3, kl_coef=0.05),
         fusion=FusionConfig(inter=inter, intra=intra, rt=rt, mechanism=mechanism,
-                            critic_stages=critic_stages, solver="greedy", timeout_s=60.0),
+                            critic_stages=critic_stages, pipeline_stages=pipeline_stages,
+                            solver="greedy", timeout_s=60.0),
         world_size=world, iterations=ITERATIONS, **kw)
 
 
@@ -97,6 +99,13 @@ def test_tokens_mechanism_and_fixed_rt_equal_serial(serial2):
 def test_four_ranks_and_two_critic_copies_equal_one_device(one_device):
     assert_same_run(run(tiny(4, critic_stages=2)), one_device)
     assert_same_run(run(tiny(4, mechanism="tokens", intra=False)), one_device)
+
+
+def test_two_pipeline_replicas_equal_one_device():
+    """4 ranks as 2 data-parallel replicas of a 2-stage fused pipeline: each replica runs
+    ``micro_batches`` of every mini-batch, so one device runs twice as many."""
+    assert_same_run(run(tiny(4, pipeline_stages=2)),
+                    run(tiny(1, inter=False, intra=False, micro_batches=4)))
 
 
 def test_prompts_cycle_through_the_dataset():

@@ -55,7 +55,9 @@ class GenerationConfig:
 
 @dataclass
 class PPOLoopConfig:
-    """The PPO update (TRL's names where TRL has one)."""
+    """The PPO update (TRL's names where TRL has one). ``micro_batches`` is per pipeline
+    replica: with ``world_size / pipeline_stages`` replicas a mini-batch is split into
+    ``micro_batches x replicas`` micro-batches (each loss a token mean over its micro-batch)."""
 
     num_ppo_epochs: int = 2
     num_mini_batches: int = 2
