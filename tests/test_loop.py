@@ -260,3 +260,40 @@ def test_bad_yaml_fails_with_the_field_named(tmp_path, capsys):
     (tmp_path / "bad.yaml").write_text("fusion: {rt: 2.5}\n")
     assert main(["train", str(tmp_path / "bad.yaml")]) == 2
     assert "fusion.rt" in capsys.readouterr().err
+
+
+def test_vllm_generation_backend_in_the_loop(tmp_path, monkeypatch):
+    """backend: vllm builds one engine per rank from the actor checkpoint, pushes the Actor's
+    weights by name before generating, sleeps it while training and sends every prompt once
+    (against a fake engine with vLLM's async semantics: vLLM needs CUDA)."""
+    from rlhf_fusion.loop.iteration import PPOWorker
+    from rlhf_fusion.rollout import vllm_backend
+    from rlhf_fusion.testing.vllm import FakeAsyncEngine, fake_vllm_module
+
+    model = tmp_path / "tiny-model"
+    save_tiny_hub_model(model)
+    engine = FakeAsyncEngine(vocab=36)
+    module = fake_vllm_module(engine)
+    monkeypatch.setattr(vllm_backend, "_import_vllm", lambda: module)
+    cfg = tiny(1, inter=False, intra=False)
+    cfg.models = ModelsConfig(actor=str(model))
+    cfg.generation.backend = "vllm"
+    cfg.generation.vllm_engine_kwargs = {"gpu_memory_utilization": 0.3}
+    worker = PPOWorker(cfg)
+    prompts = [list(range(2, 8))] * 16
+    result = worker.iteration(prompts)
+    assert engine.asleep  # slept while training ran
+    worker.close()
+    (args,) = module.engine_args
+    assert args["model"] == str(model) and args["gpu_memory_utilization"] == 0.3
+    assert args["logprobs_mode"] == "processed_logprobs" and args["enable_sleep_mode"]
+    assert sorted(e.sample_id for e in result.experiences) == list(range(16))
+    assert len(engine.requests) == 16
+    method, (named,) = engine.rpc[0]
+    assert method == "rlhf_fusion_load_weights"
+    assert {n for n, _ in named} == {n for n, _ in worker.models.actor.named_parameters()}
+    with pytest.raises(LoopConfigError, match="vLLM engines export no KV cache"):
+        bad = tiny(2, mechanism="kv")
+        bad.models = ModelsConfig(actor=str(model))
+        bad.generation.backend = "vllm"
+        bad.validate()

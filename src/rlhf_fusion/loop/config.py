@@ -43,7 +43,12 @@ class ModelsConfig:
 
 @dataclass
 class GenerationConfig:
-    """Sampling: ``prompts_per_iteration`` prompts, each answered once per iteration."""
+    """Sampling: ``prompts_per_iteration`` prompts, each answered once per iteration.
+
+    ``backend``: ``"reference"`` (our transformers backend, any device) or ``"vllm"`` (an
+    ``AsyncLLMEngine`` per rank built from ``models.actor``, a Hub id or directory, with
+    ``vllm_engine_kwargs`` passed through; migration by the tokens mechanism).
+    """
 
     prompts_per_iteration: int = 32
     max_new_tokens: int = 256
@@ -51,6 +56,8 @@ class GenerationConfig:
     seed: int = 0
     bs_max: int = 64
     kv_capacity_tokens: int | None = None
+    backend: str = "reference"
+    vllm_engine_kwargs: dict[str, Any] | None = None
 
 
 @dataclass
@@ -168,6 +175,18 @@ class RLHFConfig:
         _positive("generation.prompts_per_iteration", g.prompts_per_iteration)
         _positive("generation.max_new_tokens", g.max_new_tokens)
         _positive("generation.bs_max", g.bs_max)
+        if g.backend not in ("reference", "vllm"):
+            raise LoopConfigError(
+                f"generation.backend: {g.backend!r}; use 'reference' or 'vllm'")
+        if g.backend == "vllm":
+            if not isinstance(self.models.actor, str):
+                raise LoopConfigError(
+                    "generation.backend: vllm builds its engine from a checkpoint; give "
+                    "models.actor as a Hub id or a local directory (or use backend: reference)")
+            if f.inter and f.mechanism == "kv":
+                raise LoopConfigError(
+                    "fusion.mechanism: vLLM engines export no KV cache; use tokens or auto "
+                    "with generation.backend: vllm")
         if g.temperature <= 0:
             raise LoopConfigError("generation.temperature: must be > 0 (PPO needs the sampling "
                                   "distribution's logprobs)")

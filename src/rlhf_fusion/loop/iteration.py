@@ -92,12 +92,10 @@ class PPOWorker:
             raise ValueError(f"world_size: the config says {cfg.world_size}, the process group "
                              f"has {self.world} ranks")
         self.models = models if models is not None else build_models(cfg.models)
-        m, g = self.models, cfg.generation
+        m = self.models
         self.tokenizer = m.tokenizer
         # Whole copies for generation and inference; training owns the originals.
-        self.backend = TimedBackend(ReferenceBackend(
-            copy.deepcopy(m.actor), instance_id=self.rank, max_batch_size=g.bs_max,
-            kv_capacity_tokens=g.kv_capacity_tokens, device=self.device))
+        self.backend = TimedBackend(self._generation_backend())
         self.inference = InferenceModels(m.ref, self._reward(), copy.deepcopy(m.critic),
                                          micro_batch=4, device=self.device,
                                          pad_id=self.tokenizer.pad_token_id)
@@ -128,6 +126,20 @@ class PPOWorker:
         self.schedule = None
 
     # -- pieces ----------------------------------------------------------------------------------
+    def _generation_backend(self) -> Any:
+        g = self.cfg.generation
+        if g.backend == "vllm":
+            from ..rollout.vllm_backend import VLLMBackend
+
+            kwargs = {"seed": g.seed, "max_num_seqs": g.bs_max, "enable_sleep_mode": True,
+                      # PPO's old logprobs are under the sampling temperature.
+                      "logprobs_mode": "processed_logprobs", **(g.vllm_engine_kwargs or {})}
+            return VLLMBackend(model=str(self.cfg.models.actor), engine_kwargs=kwargs,
+                               instance_id=self.rank, max_batch_size=g.bs_max)
+        return ReferenceBackend(
+            copy.deepcopy(self.models.actor), instance_id=self.rank, max_batch_size=g.bs_max,
+            kv_capacity_tokens=g.kv_capacity_tokens, device=self.device)
+
     def _reward(self) -> Any:
         r = self.models.reward
         if isinstance(r, torch.nn.Module):
@@ -147,7 +159,9 @@ class PPOWorker:
 
     def sync_weights(self) -> dict[str, float]:
         """Training layout -> generation layout, for the Actor (backend) and the Critic."""
-        targets = {"actor": self.backend.model, "critic": self.inference.critic}
+        # A vLLM engine holds its own copy: it takes the parameters by name.
+        targets = {"actor": getattr(self.backend, "model", None),
+                   "critic": self.inference.critic}
         if self.fused is None:
             for role, dst in targets.items():
                 self._load(role, dst, dict(getattr(self.models, role).named_parameters()))
@@ -168,10 +182,10 @@ class PPOWorker:
         dist.all_reduce(totals)
         return {"realloc/bytes": float(totals[0]), "realloc/min_bytes": float(minimum)}
 
-    def _load(self, role: str, dst: torch.nn.Module, params: dict[str, Tensor]) -> None:
+    def _load(self, role: str, dst: torch.nn.Module | None, params: dict[str, Tensor]) -> None:
         # The Actor's copy belongs to the generation backend: weights go in through its API.
         if role == "actor":
-            self.backend.update_weights(full_state(dst, params))
+            self.backend.update_weights(params if dst is None else full_state(dst, params))
         else:
             dst.load_state_dict(full_state(dst, params))
 
