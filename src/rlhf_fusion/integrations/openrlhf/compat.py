@@ -75,10 +75,73 @@ def check_train_module(version: str) -> Path:
     return Path(spec.origin)
 
 
-def check_seams(*, gae: bool = True, stream: bool = True) -> str:
+def _source_has(where: str, obj: object, needles: tuple[str, ...], version: str) -> None:
+    src = inspect.getsource(obj)  # type: ignore[arg-type]
+    for needle in needles:
+        if needle not in src:
+            raise OpenRLHFVersionError(f"openrlhf {version}: {where} lacks {needle!r}, which "
+                                       f"the integration relies on; install {SUPPORTED_TEXT}")
+
+
+def check_scoring_seams(version: str) -> None:
+    """The seams of ``--fusion.stream_scoring`` (``scoring.py``): the maker's three methods it
+    answers from the stream, what their stock bodies call, the actor-group batching it
+    reproduces per wave, and the trainer constructor it links generator and maker in."""
+    em = importlib.import_module("openrlhf.trainer.ppo_utils.experience_maker")
+    ex = importlib.import_module("openrlhf.trainer.ppo_utils.experience")
+    la = importlib.import_module("openrlhf.trainer.ray.launcher")
+    pt = importlib.import_module("openrlhf.trainer.ppo_trainer")
+    sg = importlib.import_module("openrlhf.trainer.ppo_utils.samples_generator")
+    maker = em.RemoteExperienceMaker
+    for name, want in (("make_experience_batch", ["self", "rollout_samples"]),
+                       ("split_rollout_samples", ["self", "rollout_samples"]),
+                       ("make_experience", ["self", "samples_list"]),
+                       ("_dispatch_forward", ["self", "group", "sync_condition", "kwargs"]),
+                       ("_flatten_results", ["self", "refs", "duplicate_factor"])):
+        _expect(f"RemoteExperienceMaker.{name}", _params(getattr(maker, name)), want, version)
+    _source_has("RemoteExperienceMaker.make_experience_batch", maker.make_experience_batch,
+                ("self.split_rollout_samples(rollout_samples)", "self.make_experience(samples_list)",
+                 "self.compute_advantages_and_returns(experiences)"), version)
+    _source_has("RemoteExperienceMaker.split_rollout_samples", maker.split_rollout_samples,
+                ("sample.index = [i]", "self.args.rollout.micro_batch_size",
+                 "Experience.concat_experiences(", "self.tokenizer.pad_token_id"), version)
+    _source_has("RemoteExperienceMaker.make_experience", maker.make_experience,
+                ("samples_list[0].rewards is None", "self.reward_model_group",
+                 "self.actor_model_group", "self.critic_model_group", "self.initial_model_group",
+                 "self._dispatch_forward(", "pad_sequence=[True] * len(samples_list)",
+                 'vlm_forward_kwargs["mm_train_inputs_list"]'), version)
+    _source_has("RemoteExperienceMaker._dispatch_forward", maker._dispatch_forward,
+                ('async_run_method_batch(method_name="forward"',), version)
+    _source_has("RemoteExperienceMaker._flatten_results", maker._flatten_results,
+                ("[::duplicate_factor]",), version)
+    group = la.RayActorGroup
+    _expect("RayActorGroup.async_run_method_batch", _params(group.async_run_method_batch),
+            ["self", "method_name", "kwargs"], version)
+    _expect("RayActorGroup.async_run_method", _params(group.async_run_method),
+            ["self", "method_name", "args", "kwargs"], version)
+    _source_has("RayActorGroup.async_run_method_batch", group.async_run_method_batch,
+                ("self._actor_handlers", "self.duplicate_actors", "execute_batch.remote("),
+                version)
+    _expect("BaseModelActor.execute_batch", _params(la.BaseModelActor.execute_batch),
+            ["self", "method_name", "all_data", "start_idx", "end_idx"], version)
+    _expect("Experience.concat_experiences", _params(ex.Experience.concat_experiences),
+            ["experiences_list", "pad_token_id"], version)
+    _expect("BasePPOTrainer.__init__", _params(pt.BasePPOTrainer.__init__),
+            ["self", "strategy", "actor_model_group", "critic_model_group", "reward_model_group",
+             "reference_model_group", "vllm_engines", "tokenizer"], version)
+    _source_has("BasePPOTrainer.__init__", pt.BasePPOTrainer.__init__,
+                ("self.experience_maker = RemoteExperienceMaker(",), version)
+    _source_has("SamplesGenerator.generate_samples", sg.SamplesGenerator.generate_samples,
+                ("self._sample_buffer", "dataloader_iter=self._dataloader_iter",
+                 "rollout_samples = self._sample_buffer[:chunk_size]"), version)
+
+
+def check_seams(*, gae: bool = True, stream: bool = True, scoring: bool = True) -> str:
     """Import the patched modules and check every seam; returns the version."""
     version = check_version()
     check_train_module(version)
+    if scoring:
+        check_scoring_seams(version)
     if gae:
         em = importlib.import_module("openrlhf.trainer.ppo_utils.experience_maker")
         _expect("RemoteExperienceMaker.get_advantages_and_returns",

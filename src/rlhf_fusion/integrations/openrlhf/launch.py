@@ -19,8 +19,8 @@ from .options import ENV_VAR, FUSION_FLAGS, FusionFlagError, FusionOptions, spli
 __all__ = ["main", "ray_runtime_env", "run"]
 
 USAGE = ("usage: rlhf-fusion openrlhf [every python -m openrlhf.cli.train_ppo_ray flag] "
-         "[--fusion.stream] [--fusion.rt auto|FRACTION] [--fusion.mechanism tokens|auto] "
-         "[--fusion.gae] [--fusion.pipeline]")
+         "[--fusion.stream] [--fusion.stream_scoring] [--fusion.rt auto|FRACTION] "
+         "[--fusion.mechanism tokens|auto] [--fusion.gae] [--fusion.pipeline]")
 
 
 def stock_env_vars() -> dict[str, str]:
@@ -52,7 +52,7 @@ def run(stock_argv: Sequence[str], options: FusionOptions, *,
     from .compat import TRAIN_MODULE, check_seams
     from .plugins import install_plugins
 
-    check_seams(gae=options.gae, stream=options.stream)
+    check_seams(gae=options.gae, stream=options.stream, scoring=options.stream_scoring)
     install_plugins(options, check=False)
     if ray.is_initialized():
         raise RuntimeError("Ray is already initialised in this process, so its workers would "

@@ -20,6 +20,10 @@ ENV_VAR = "RLHF_FUSION_OPENRLHF"
 FUSION_FLAGS: dict[str, tuple[bool, str]] = {
     "--fusion.stream": (False, "sample-level streaming generation: one vLLM request per sample, "
                                "each collected the moment it finishes"),
+    "--fusion.stream_scoring": (False, "stream the Reward/Ref/Critic (and Actor) forwards of each "
+                                       "micro-batch while the rest still decodes; implies "
+                                       "--fusion.stream; stock where the topology gives nothing "
+                                       "to overlap (colocate_all, async, dynamic batches)"),
     "--fusion.rt": (True, "long-tail migration when at most R_t samples still decode: 'auto' "
                           "or a fraction of the batch in (0, 1]; implies --fusion.stream"),
     "--fusion.mechanism": (True, "migration mechanism: 'tokens' (abort, resubmit prompt + "
@@ -44,6 +48,7 @@ class FusionOptions:
     """Which plugins run. The default (every field off) is stock OpenRLHF."""
 
     stream: bool = False
+    stream_scoring: bool = False
     rt: float | str | None = None  # None: no migration; "auto" or a fraction of the batch
     mechanism: str = "tokens"
     gae: bool = False
@@ -62,8 +67,9 @@ class FusionOptions:
         if self.mechanism not in ("tokens", "auto"):
             raise FusionFlagError(f"--fusion.mechanism {self.mechanism!r}: use 'tokens' or "
                                   "'auto' (vLLM engines have no KV export, so no 'kv')")
-        if self.rt is not None and not self.stream:
-            object.__setattr__(self, "stream", True)  # migration moves streamed requests
+        if (self.rt is not None or self.stream_scoring) and not self.stream:
+            # migration moves streamed requests; scoring consumes them as they finish
+            object.__setattr__(self, "stream", True)
 
     @property
     def migrate(self) -> bool:

@@ -41,7 +41,7 @@ def install_plugins(options: FusionOptions, *, check: bool = True) -> list[str]:
     if check:
         from .compat import check_seams
 
-        check_seams(gae=options.gae, stream=options.stream)
+        check_seams(gae=options.gae, stream=options.stream, scoring=options.stream_scoring)
     _OPTIONS = options
     if options.gae and "gae" not in _INSTALLED:
         em = importlib.import_module("openrlhf.trainer.ppo_utils.experience_maker")
@@ -59,6 +59,23 @@ def install_plugins(options: FusionOptions, *, check: bool = True) -> list[str]:
         sg.SamplesGenerator._generate_vllm = fusion_generate_vllm
         # create_vllm_engines looks the class up in its module when the driver builds engines
         ve.RolloutRayActor = make_fusion_rollout_actor(ve.RolloutRayActor)
+    if options.stream_scoring and "stream_scoring" not in _INSTALLED:
+        em = importlib.import_module("openrlhf.trainer.ppo_utils.experience_maker")
+        pt = importlib.import_module("openrlhf.trainer.ppo_trainer")
+        from . import scoring
+
+        maker = em.RemoteExperienceMaker
+        _INSTALLED["stream_scoring"] = {
+            "make_experience_batch": maker.make_experience_batch,
+            "split_rollout_samples": maker.split_rollout_samples,
+            "_dispatch_forward": maker._dispatch_forward,
+            "__init__": pt.BasePPOTrainer.__init__,
+        }
+        maker.make_experience_batch = scoring.fusion_make_experience_batch
+        maker.split_rollout_samples = scoring.fusion_split_rollout_samples
+        maker._dispatch_forward = scoring.fusion_dispatch_forward
+        # PPOTrainer builds its generator, then BasePPOTrainer.__init__ its experience maker
+        pt.BasePPOTrainer.__init__ = scoring.fusion_trainer_init
     if options.migrate:
         _INSTALLED.setdefault("migrate", None)
     return installed_plugins()
@@ -74,5 +91,12 @@ def uninstall_plugins() -> None:
         sg = importlib.import_module("openrlhf.trainer.ppo_utils.samples_generator")
         ve = importlib.import_module("openrlhf.trainer.ray.vllm_engine")
         sg.SamplesGenerator._generate_vllm, ve.RolloutRayActor = _INSTALLED.pop("stream")
+    if "stream_scoring" in _INSTALLED:
+        em = importlib.import_module("openrlhf.trainer.ppo_utils.experience_maker")
+        pt = importlib.import_module("openrlhf.trainer.ppo_trainer")
+        stock = _INSTALLED.pop("stream_scoring")
+        pt.BasePPOTrainer.__init__ = stock.pop("__init__")
+        for name, fn in stock.items():
+            setattr(em.RemoteExperienceMaker, name, fn)
     _INSTALLED.pop("migrate", None)
     _OPTIONS = None

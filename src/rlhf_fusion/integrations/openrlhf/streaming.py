@@ -84,6 +84,7 @@ def fusion_generate_vllm(self: Any, dataloader_iter: Any, num_prompts: int,
     n = generate_kwargs.get("n_samples_per_prompt", self.args.rollout.n_samples_per_prompt)
     stats = StreamStats()
     self._fusion_stats = stats
+    scorer = _scorer(self, dataloader_iter, num_prompts) if opts.stream_scoring else None
 
     groups: dict[int, dict[str, Any]] = {}  # prompt index -> prompt, label, image, responses
     owner: dict[int, int] = {}  # key -> prompt index
@@ -152,6 +153,8 @@ def fusion_generate_vllm(self: Any, dataloader_iter: Any, num_prompts: int,
                     experiences = []
             if experiences:
                 accepted.extend(experiences)
+                if scorer is not None:  # their forwards start now, while the rest decodes
+                    scorer.add(experiences, live=len(pending))
             elif dynamic_filtering:  # a replacement prompt, as stock
                 ps, ls, ims, exhausted = _collect_prompt_batch(dataloader_iter, 1)
                 prompts_consumed += len(ps)
@@ -162,7 +165,26 @@ def fusion_generate_vllm(self: Any, dataloader_iter: Any, num_prompts: int,
             if 0 < live <= max(1, math.floor(frac * stats.samples)):
                 migrated_once = True
                 _migrate(engines, live, route)
+    if scorer is not None:
+        self._fusion_link.pending = scorer.finish()
+        self._fusion_scoring_stats = scorer.stats
     return accepted, prompts_consumed, exhausted
+
+
+def _scorer(self: Any, dataloader_iter: Any, num_prompts: int) -> Any:
+    """A StreamScorer when this call makes exactly the next training batch of a trainer whose
+    topology streams scoring (``scoring.link_scoring``); None: OpenRLHF scores it stock."""
+    link = getattr(self, "_fusion_link", None)
+    if link is None or link.reason is not None:
+        return None
+    link.pending = None
+    if dataloader_iter is not getattr(self, "_dataloader_iter", None):
+        return None  # evaluation (generate_eval_samples): never scored
+    if getattr(self, "_sample_buffer", None) or num_prompts != self.args.rollout.batch_size:
+        return None  # the batch would not be exactly what this call returns
+    from .scoring import StreamScorer
+
+    return StreamScorer(link)
 
 
 def _migrate(engines: list[Any], live: int, route: dict[int, int]) -> None:

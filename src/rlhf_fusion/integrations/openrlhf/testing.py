@@ -14,12 +14,14 @@ import hashlib
 import importlib.machinery
 import importlib.util
 import sys
+import time
 import types
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["CharTokenizer", "FakeAsyncLLM", "install_cpu_stubs", "setup_worker_with_cpu_stubs"]
+__all__ = ["CharTokenizer", "FakeAsyncLLM", "FakeModel", "fake_model_actor_class",
+           "install_cpu_stubs", "setup_worker_with_cpu_stubs"]
 
 HOOK_WITH_STUBS = f"{__name__}.setup_worker_with_cpu_stubs"
 
@@ -236,6 +238,8 @@ class FakeAsyncLLM:
 class CharTokenizer:
     """A toy Hugging Face-style tokenizer: one id per character (ids 1..), ``decode`` back."""
 
+    pad_token_id = 0  # OpenRLHF pads micro-batches with it (Experience.concat_experiences)
+
     def __call__(self, text: str, add_special_tokens: bool = False,
                  return_tensors: str | None = None) -> dict[str, Any]:
         ids = [1 + (ord(c) % 40) for c in text]
@@ -247,3 +251,53 @@ class CharTokenizer:
 
     def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
         return " ".join(str(int(i)) for i in ids)
+
+
+# -- fake OpenRLHF model actors (Policy/Critic/Reference/Reward forwards need CUDA) ----------------
+
+
+class FakeModel:
+    """The ``forward`` of OpenRLHF's model actors, deterministic on CPU: mixed in front of
+    OpenRLHF's ``BaseModelActor`` (:func:`fake_model_actor_class`), so ``execute_batch`` and the
+    group batching are stock. The result also depends on the padded width of the micro-batch, so
+    a sample scored in a different micro-batch than stock would show. Every call is recorded
+    (start time, the unpadded token ids of each row) for ``report``."""
+
+    def __init__(self, kind: str, world_size: int = 1, rank: int = 0,
+                 compute_s: float = 0.02) -> None:
+        super().__init__(world_size, rank, None, None)  # type: ignore[call-arg]
+        self.kind, self.compute_s = kind, compute_s
+        self.strategy = types.SimpleNamespace(is_rank_0=lambda: False)  # quiet execute_batch
+        self.calls: list[tuple[float, list[tuple[int, ...]]]] = []
+        self.empty_caches = 0
+
+    def forward(self, sequences: Any, action_mask: Any = None, attention_mask: Any = None,
+                pad_sequence: bool = False, packed_seq_lens: Any = None,
+                mm_train_inputs_list: Any = None) -> Any:
+        start = time.time()
+        time.sleep(self.compute_s)
+        rows = [tuple(s[m.bool()].tolist()) for s, m in zip(sequences, attention_mask)]
+        self.calls.append((start, rows))
+        width = sequences.shape[1]
+        seq = (sequences * attention_mask).float()
+        if self.kind == "reward":
+            return seq.sum(-1) / 100 + width * 1e-3
+        scale = {"actor": -0.01, "ref": -0.02, "critic": 0.03}[self.kind]
+        acts = seq[:, 1:][:, -action_mask.shape[1]:]
+        return (acts * scale + width * 1e-4) * action_mask
+
+    def empty_cache(self) -> None:
+        self.empty_caches += 1
+
+    def report(self) -> list[tuple[float, list[tuple[int, ...]]]]:
+        calls, self.calls = self.calls, []
+        return calls
+
+
+def fake_model_actor_class() -> Any:
+    """``ray.remote`` of :class:`FakeModel` in front of OpenRLHF's ``BaseModelActor``."""
+    import ray
+    from openrlhf.trainer.ray.launcher import BaseModelActor
+
+    return ray.remote(type("FakeModelActor", (FakeModel, BaseModelActor), {
+        "__module__": __name__}))
