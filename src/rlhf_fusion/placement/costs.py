@@ -1,0 +1,281 @@
+"""Analytic time and memory of one call on one mesh under one parallel strategy.
+
+Time (seconds):
+
+* training: (6 + 2 with recomputation)·P·tokens FLOPs at ``train_mfu``; per layer and
+  micro-batch 4 (6 with recomputation) tensor-parallel all-reduces of the activations over
+  NVLink; pipeline sends between stages; the 1F1B bubble (1 + (pp-1)/m) on all of it; one
+  gradient all-reduce over data-parallel ranks and one optimizer pass per mini-batch;
+* inference: 2·P·tokens FLOPs at ``infer_mfu``, 2 all-reduces per layer, the pipeline bubble;
+* generation: a compute-bound prefill, then memory-bound decode steps that read the weights
+  once per step (pipeline stages do not help: each stage reads its weights once per
+  micro-batch) and each running sample's KV cache, plus per-layer launch and all-reduce latency.
+
+``Profile`` replaces the FLOP-based forward/backward time of a layer by measured times over
+power-of-two token counts, interpolated log-log.
+
+Memory (bytes per GPU): static is what lives between calls (a trainable model's bf16 weights,
+gradients and its share of fp32 Adam state, sharded over data-parallel ranks as Megatron's
+distributed optimizer; a frozen model's bf16 weights unless offloaded); dynamic is what one call
+adds while it runs (activations, KV cache, logits, and a reallocated copy of the weights when
+the call's layout is not the one the weights live in).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+from dataclasses import dataclass, field
+
+from .graph import CALL_KIND, CALL_MODEL
+from .hardware import Cluster, Hardware
+from .mesh import DeviceMesh
+from .models import ModelShape
+from .problem import PlacementProblem
+from .strategy import ParallelStrategy
+
+DECODE_LAYER_OVERHEAD_S = 1e-5   # kernel launches per layer and decode step (CUDA graphs)
+GEN_OUT_BYTES_PER_TOKEN = 8      # token id (int32) + its logprob (fp32)
+SCORE_BYTES_PER_TOKEN = 4        # one fp32 per token (logprob, value or reward)
+
+
+@dataclass
+class Profile:
+    """Measured per-layer forward and backward seconds at power-of-two token counts."""
+
+    forward: dict[int, float] = field(default_factory=dict)
+    backward: dict[int, float] = field(default_factory=dict)
+
+    @staticmethod
+    def _interp(table: dict[int, float], tokens: float) -> float:
+        xs = sorted(table)
+        if not xs:
+            raise ValueError("empty profile table")
+        if tokens <= xs[0]:
+            return table[xs[0]] * tokens / xs[0]
+        if tokens >= xs[-1]:
+            return table[xs[-1]] * tokens / xs[-1]
+        i = bisect.bisect_right(xs, tokens)
+        x0, x1 = xs[i - 1], xs[i]
+        y0, y1 = table[x0], table[x1]
+        w = (math.log(tokens) - math.log(x0)) / (math.log(x1) - math.log(x0))
+        return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
+
+    def layer_forward(self, tokens: float) -> float:
+        return self._interp(self.forward, tokens)
+
+    def layer_backward(self, tokens: float) -> float:
+        return self._interp(self.backward, tokens)
+
+
+def _allreduce(nbytes: float, n: int, bw: float, lat: float) -> float:
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) / n * nbytes / bw + lat
+
+
+class CostModel:
+    """Per-call costs for one problem, cached by (call, ranks, strategy)."""
+
+    def __init__(self, problem: PlacementProblem, profiles: dict[str, Profile] | None = None):
+        self.p = problem
+        self.profiles = profiles or {}
+        self._time: dict[tuple, float] = {}
+
+    # -- helpers ---------------------------------------------------------------------------
+    def hw(self, mesh: DeviceMesh) -> Hardware:
+        return self.p.cluster.group(mesh.group).hardware
+
+    @property
+    def cluster(self) -> Cluster:
+        return self.p.cluster
+
+    def model(self, call: str) -> ModelShape:
+        return self.p.models[CALL_MODEL[call]]
+
+    def _dp_bw(self, mesh: DeviceMesh, s: ParallelStrategy, hw: Hardware) -> float:
+        inside = s.tp * s.dp <= mesh.n_gpus
+        return (hw.nvlink_bw if inside else hw.ib_bw) * hw.comm_efficiency
+
+    def _pp_bw(self, mesh: DeviceMesh, hw: Hardware) -> float:
+        return (hw.nvlink_bw if mesh.n_nodes == 1 else hw.ib_bw) * hw.comm_efficiency
+
+    def micro_batch(self, factor: int = 1) -> int:
+        return max(1, factor * self.p.micro_batch_tokens // self.p.seq_len)
+
+    def gen_rounds(self, mesh: DeviceMesh, s: ParallelStrategy) -> int:
+        """Generation splits a replica's batch into rounds when its KV cache would not fit in
+        half of the memory its weights leave free."""
+        m = self.model("actor_gen")
+        hw = self.hw(mesh)
+        b = math.ceil(self.p.batch / s.dp)
+        kv = b * self.p.seq_len * m.kv_bytes_per_token / (s.tp * s.pp)
+        free = 0.5 * (hw.hbm_bytes * (1 - hw.memory_reserve) - m.param_bytes / (s.tp * s.pp))
+        if free <= 0:
+            return b
+        return max(1, min(b, math.ceil(kv / free)))
+
+    # -- time ------------------------------------------------------------------------------
+    def feasible(self, call: str, mesh: DeviceMesh, s: ParallelStrategy) -> bool:
+        """Batch shape rules (as ReaLHF's candidate filter): every data-parallel replica of a
+        training call gets samples in every mini-batch; inference calls need a sample per
+        replica; training never runs on an inference-only group."""
+        if CALL_KIND[call] == "train":
+            if self.cluster.group(mesh.group).inference_only:
+                return False
+            return self.p.batch >= self.p.ppo_minibatches * s.dp
+        return self.p.batch >= s.dp
+
+    def time(self, call: str, mesh: DeviceMesh, s: ParallelStrategy) -> float:
+        key = (call, mesh.ranks, s)
+        t = self._time.get(key)
+        if t is None:
+            kind = CALL_KIND[call]
+            if kind == "train":
+                t = self.train_time(call, mesh, s)
+            elif kind == "inference":
+                t = self.inference_time(call, mesh, s)
+            else:
+                t = self.generate_time(mesh, s)
+            self._time[key] = t
+        return t
+
+    def _layer_compute(self, call: str, tokens_per_gpu_replica: float, s: ParallelStrategy,
+                       hw: Hardware, backward: bool) -> float:
+        """Seconds for one replica's stage to run ``tokens`` through its layers once."""
+        m = self.model(call)
+        prof = self.profiles.get(CALL_MODEL[call])
+        layers = m.layers / s.pp
+        if prof is not None:
+            tok = tokens_per_gpu_replica / s.tp
+            f = prof.layer_forward(tok)
+            if not backward:
+                return layers * f
+            b = prof.layer_backward(tok)
+            return layers * (f + b + (f if self.p.gradient_checkpointing else 0.0))
+        flops = (8 if self.p.gradient_checkpointing else 6) if backward else 2
+        mfu = hw.train_mfu if backward else hw.infer_mfu
+        return flops * m.params / s.pp * tokens_per_gpu_replica / (s.tp * hw.flops * mfu)
+
+    def train_time(self, call: str, mesh: DeviceMesh, s: ParallelStrategy) -> float:
+        m, hw, p = self.model(call), self.hw(mesh), self.p
+        steps = p.ppo_minibatches * p.ppo_epochs
+        per_step = p.batch / p.ppo_minibatches / s.dp            # samples per replica
+        mbs = min(self.micro_batch(), max(1, int(per_step)))
+        mb = max(1, math.ceil(per_step / mbs))                     # micro-batches per step
+        tokens = per_step * p.seq_len                              # per replica per step
+        compute = self._layer_compute(call, tokens, s, hw, backward=True)
+        n_ar = 6 if p.gradient_checkpointing else 4
+        nv = hw.nvlink_bw * hw.comm_efficiency
+        tp_comm = 0.0
+        if s.tp > 1:
+            tp_comm = n_ar * (m.layers / s.pp) * (
+                tokens * m.hidden * 2 * 2 * (s.tp - 1) / s.tp / nv + mb * hw.link_latency_s)
+        pp_comm = 0.0
+        if s.pp > 1:
+            pp_comm = 2 * mb * (mbs * p.seq_len * m.hidden * 2 / s.tp / self._pp_bw(mesh, hw)
+                                + hw.link_latency_s)
+        stage = (compute + tp_comm + pp_comm) * (1 + (s.pp - 1) / mb)
+        grad = _allreduce(2 * m.params / (s.tp * s.pp), s.dp, self._dp_bw(mesh, s, hw),
+                          hw.link_latency_s)
+        # Adam reads and writes fp32 master, m, v and bf16 weight and grad: ~ 32 B per param.
+        optim = 32 * m.params / (s.tp * s.pp * s.dp) / (hw.hbm_bw * hw.hbm_efficiency)
+        return steps * (stage + grad + optim)
+
+    def inference_time(self, call: str, mesh: DeviceMesh, s: ParallelStrategy) -> float:
+        m, hw, p = self.model(call), self.hw(mesh), self.p
+        per_rep = p.batch / s.dp
+        mbs = min(self.micro_batch(2), max(1, int(per_rep)))
+        mb = max(1, math.ceil(per_rep / mbs))
+        tokens = per_rep * p.seq_len
+        compute = self._layer_compute(call, tokens, s, hw, backward=False)
+        nv = hw.nvlink_bw * hw.comm_efficiency
+        tp_comm = 0.0
+        if s.tp > 1:
+            tp_comm = 2 * (m.layers / s.pp) * (tokens * m.hidden * 2 * 2 * (s.tp - 1) / s.tp / nv
+                                               + mb * hw.link_latency_s)
+        pp_comm = 0.0
+        if s.pp > 1:
+            pp_comm = mb * (mbs * p.seq_len * m.hidden * 2 / s.tp / self._pp_bw(mesh, hw)
+                            + hw.link_latency_s)
+        return (compute + tp_comm + pp_comm) * (1 + (s.pp - 1) / mb)
+
+    def decode_step(self, mesh: DeviceMesh, s: ParallelStrategy) -> tuple[float, float, float]:
+        """(fixed seconds, seconds per running sample, seconds per KV token) of one decode step
+        of one replica: the linear form the rollout simulator's ClusterModel takes."""
+        m, hw = self.model("actor_gen"), self.hw(mesh)
+        bw = hw.hbm_bw * hw.hbm_efficiency
+        weights = m.param_bytes / s.tp / bw
+        overhead = m.layers * DECODE_LAYER_OVERHEAD_S
+        if s.tp > 1:
+            overhead += m.layers * 2 * hw.link_latency_s
+        if s.pp > 1:
+            overhead += s.pp * hw.link_latency_s
+        per_sample = 2 * m.params / (s.tp * s.pp * hw.flops * hw.infer_mfu)
+        if s.tp > 1:
+            per_sample += m.layers * 2 * m.hidden * 2 * 2 * (s.tp - 1) / s.tp / (
+                hw.nvlink_bw * hw.comm_efficiency)
+        per_kv = m.kv_bytes_per_token / (s.tp * s.pp) / bw
+        return weights + overhead, per_sample, per_kv
+
+    def prefill_per_token(self, mesh: DeviceMesh, s: ParallelStrategy) -> float:
+        m, hw = self.model("actor_gen"), self.hw(mesh)
+        return 2 * m.params / (s.tp * s.pp * hw.flops * hw.infer_mfu)
+
+    def generate_time(self, mesh: DeviceMesh, s: ParallelStrategy) -> float:
+        p = self.p
+        b = math.ceil(p.batch / s.dp)
+        rounds = self.gen_rounds(mesh, s)
+        per_round = math.ceil(b / rounds)
+        base, per_sample, per_kv = self.decode_step(mesh, s)
+        prefill = self.prefill_per_token(mesh, s) * b * p.prompt_len * (1 + (s.pp - 1) / b)
+        g = p.gen_len
+        kv_tokens = per_round * (g * p.prompt_len + g * (g - 1) / 2)
+        decode = g * (base + per_sample * per_round) + per_kv * kv_tokens
+        return prefill + rounds * decode
+
+    # -- memory ----------------------------------------------------------------------------
+    def static_bytes(self, model: str, s: ParallelStrategy, trainable: bool) -> float:
+        m = self.p.models[model]
+        shard = m.params / (s.tp * s.pp)
+        if trainable:
+            return shard * (2 + 2 + 12 / s.dp)
+        return 2 * shard
+
+    def dynamic_bytes(self, call: str, mesh: DeviceMesh, s: ParallelStrategy,
+                      holds_copy: bool) -> float:
+        m, p = self.model(call), self.p
+        kind = CALL_KIND[call]
+        copy = m.param_bytes / (s.tp * s.pp) if holds_copy else 0.0
+        if kind == "generate":
+            b = math.ceil(p.batch / s.dp)
+            per_round = math.ceil(b / self.gen_rounds(mesh, s))
+            kv = per_round * p.seq_len * m.kv_bytes_per_token / (s.tp * s.pp)
+            logits = per_round * m.vocab * 4 / s.tp
+            return copy + kv + logits
+        if kind == "inference":
+            per_rep = p.batch / s.dp
+            mbs = min(self.micro_batch(2), max(1, int(per_rep)))
+            tok = mbs * p.seq_len
+            return copy + tok * (m.vocab * 4 + 34 * m.hidden) / s.tp
+        per_step = p.batch / p.ppo_minibatches / s.dp
+        mbs = min(self.micro_batch(), max(1, int(per_step)))
+        mb = max(1, math.ceil(per_step / mbs))
+        tok = mbs * p.seq_len
+        layers = m.layers / s.pp
+        in_flight = min(s.pp, mb)
+        if p.gradient_checkpointing:
+            act = in_flight * layers * tok * m.hidden * 2 + tok * m.hidden * 34 / s.tp
+        else:
+            act = in_flight * layers * tok * m.hidden * 34 / s.tp
+        logits = 2 * tok * m.vocab * 4 / s.tp
+        return copy + act + logits
+
+    def capacity(self, mesh_group: str) -> float:
+        hw = self.cluster.group(mesh_group).hardware
+        return hw.hbm_bytes * (1 - hw.memory_reserve)
+
+    def data_bytes(self, parent_call: str) -> float:
+        """What a call hands to the next: generated tokens + logprobs, or one score per token."""
+        per_token = GEN_OUT_BYTES_PER_TOKEN if parent_call == "actor_gen" else SCORE_BYTES_PER_TOKEN
+        return self.p.batch * self.p.seq_len * per_token

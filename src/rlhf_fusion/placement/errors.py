@@ -1,0 +1,7 @@
+"""The one error type of the placement planner."""
+
+from __future__ import annotations
+
+
+class PlacementError(ValueError):
+    """A placement, plan or planner config that cannot work; the message names the fix."""

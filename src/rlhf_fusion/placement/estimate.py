@@ -1,0 +1,187 @@
+"""The estimator: an execution plan in, its iteration time and memory out.
+
+It builds the augmented dataflow graph of ``problem.iterations`` iterations (the six calls,
+a parameter-reallocation node wherever a trainable model's generation or inference layout
+differs from its training layout, occupying both meshes; data-transfer delays on edges
+between different meshes), runs Algorithm 1 (``timeline.simulate``) on it and checks memory
+on every GPU: the static memory of the models resident there plus the largest dynamic memory
+of the calls that run there. A plan that does not fit is not dropped but its time is
+multiplied by ``oom_penalty``, as ReaLHF does, so the search can walk through it.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+from .costs import CostModel
+from .graph import CALL_KIND, CALL_MODEL, CALLS, DATA_EDGES, PARAM_EDGES, TRAIN_CALL
+from .hooks import fused_train_ratio, rollout_time
+from .plan import CallPlacement, ExecutionPlan
+from .problem import PlacementProblem
+from .realloc import Layout, plan_realloc
+from .timeline import Timeline, TNode, simulate
+
+STREAM_CHUNKS = 8   # data between meshes is streamed per micro-batch: only the last chunk waits
+
+
+@dataclass
+class Estimate:
+    cost: float                      # what the search minimises
+    iteration_time: float            # steady-state seconds per iteration
+    makespan: float                  # seconds for all simulated iterations
+    oom: bool
+    peak_memory: float               # bytes, the fullest GPU
+    capacity: float                  # bytes usable on that GPU
+    call_time: dict[str, float]
+    realloc_time: dict[str, float]
+    notes: dict[str, Any] = field(default_factory=dict)
+    timeline: Timeline | None = None
+    memory: dict[int, float] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"iteration_time_s": self.iteration_time, "makespan_s": self.makespan,
+                "oom": self.oom, "peak_memory_gb": self.peak_memory / 1e9,
+                "capacity_gb": self.capacity / 1e9, "cost": self.cost,
+                "call_time_s": self.call_time, "realloc_time_s": self.realloc_time,
+                "notes": self.notes}
+
+
+class Estimator:
+    def __init__(self, problem: PlacementProblem, cost: CostModel | None = None):
+        self.p = problem
+        self.cost = cost or CostModel(problem)
+        self._realloc: dict[tuple, float] = {}
+        self._rollout: dict[tuple, tuple[float, dict]] = {}
+        self.evaluations = 0
+
+    # -- pieces ----------------------------------------------------------------------------
+    def realloc_seconds(self, model: str, src: CallPlacement, dst: CallPlacement) -> float:
+        key = (model, src.mesh.ranks, src.strategy, dst.mesh.ranks, dst.strategy)
+        t = self._realloc.get(key)
+        if t is None:
+            t = plan_realloc(self.p.models[model], Layout(src.mesh, src.strategy),
+                             Layout(dst.mesh, dst.strategy), self.p.cluster, detail=False).seconds
+            self._realloc[key] = t
+        return t
+
+    def _data_delay(self, a: CallPlacement, b: CallPlacement, parent_call: str) -> float:
+        if a.mesh.ranks == b.mesh.ranks:
+            return 0.0
+        hw = self.cost.hw(b.mesh)
+        same_node = (a.mesh.n_nodes == 1 and b.mesh.n_nodes == 1 and a.mesh.group == b.mesh.group
+                     and a.mesh.node_start == b.mesh.node_start)
+        bw = (hw.nvlink_bw if same_node else hw.ib_bw) * hw.comm_efficiency
+        lanes = min(a.mesh.size, b.mesh.size)
+        return self.cost.data_bytes(parent_call) / (bw * lanes) / STREAM_CHUNKS + hw.link_latency_s
+
+    def call_durations(self, plan: ExecutionPlan) -> tuple[dict[str, float], dict[str, Any]]:
+        c, p = self.cost, self.p
+        d = {k: c.time(k, plan.calls[k].mesh, plan.calls[k].strategy) for k in CALLS}
+        notes: dict[str, Any] = {}
+        if p.fusion.rollout:
+            gen = plan.calls["actor_gen"]
+            absorbed = tuple(k for k in ("ref_inf", "reward_inf", "critic_inf")
+                             if plan.calls[k].same_layout(gen))
+            key = (gen.mesh.ranks, gen.strategy, absorbed)
+            if key not in self._rollout:
+                self._rollout[key] = rollout_time(c, gen.mesh, gen.strategy, absorbed)
+            d["actor_gen"], info = self._rollout[key]
+            for k in absorbed:
+                d[k] = 0.0
+            notes["rollout"] = info
+        if p.fusion.train:
+            a, b = plan.calls["actor_train"], plan.calls["critic_train"]
+            if a.mesh.ranks == b.mesh.ranks:
+                r = fused_train_ratio(c, a.strategy, b.strategy)
+                if r < 1.0:
+                    d["actor_train"] = r * (d["actor_train"] + d["critic_train"])
+                    d["critic_train"] = 0.0
+                    notes["fused_train_ratio"] = r
+        return d, notes
+
+    def needs_realloc(self, plan: ExecutionPlan) -> dict[str, str]:
+        """call -> model, for calls of a trainable model not in its training layout."""
+        out = {}
+        for model, train_call in TRAIN_CALL.items():
+            for k in CALLS:
+                if (CALL_MODEL[k] == model and CALL_KIND[k] != "train"
+                        and not plan.calls[k].same_layout(plan.calls[train_call])):
+                    out[k] = model
+        return out
+
+    # -- memory ----------------------------------------------------------------------------
+    def memory(self, plan: ExecutionPlan) -> dict[int, float]:
+        """Bytes per GPU: static + the largest dynamic. Fused training is assumed to peak as the
+        larger of the two models alone (the schedule's memory pass holds it near serial 1F1B)."""
+        c = self.cost
+        static: dict[int, float] = defaultdict(float)
+        dyn: dict[int, float] = defaultdict(float)
+        for model, train_call in TRAIN_CALL.items():
+            pl = plan.calls[train_call]
+            b = c.static_bytes(model, pl.strategy, True)
+            for r in pl.mesh.ranks:
+                static[r] += b
+        copies = self.needs_realloc(plan)
+        for k in CALLS:
+            pl = plan.calls[k]
+            model = CALL_MODEL[k]
+            offloaded = model in plan.offload
+            if model in ("ref", "reward") and not offloaded:
+                b = c.static_bytes(model, pl.strategy, False)
+                for r in pl.mesh.ranks:
+                    static[r] += b
+            x = c.dynamic_bytes(k, pl.mesh, pl.strategy, holds_copy=k in copies or offloaded)
+            for r in pl.mesh.ranks:
+                dyn[r] = max(dyn[r], x)
+        return {r: static[r] + dyn[r] for r in set(static) | set(dyn)}
+
+    # -- the whole plan --------------------------------------------------------------------
+    def estimate(self, plan: ExecutionPlan, *, keep_timeline: bool = True) -> Estimate:
+        self.evaluations += 1
+        p = self.p
+        d, notes = self.call_durations(plan)
+        reallocs = self.needs_realloc(plan)
+        rtime = {k: self.realloc_seconds(m, plan.calls[TRAIN_CALL[m]], plan.calls[k])
+                 for k, m in reallocs.items()}
+        nodes: list[TNode] = []
+        index: dict[tuple[str, int], int] = {}
+        for t in range(p.iterations):
+            for k in CALLS:
+                pl = plan.calls[k]
+                parents: list[tuple[int, float]] = []
+                for a, b in DATA_EDGES:
+                    if b == k:
+                        parents.append((index[(a, t)], self._data_delay(plan.calls[a], pl, a)))
+                param_parents = [index[(a, t - 1)] for a, b in PARAM_EDGES if b == k and t > 0]
+                if k in reallocs:
+                    src = plan.calls[TRAIN_CALL[reallocs[k]]]
+                    nodes.append(TNode(f"realloc {reallocs[k]}->{k}@{t}", rtime[k],
+                                       src.mesh.rank_set | pl.mesh.rank_set,
+                                       [(i, 0.0) for i in param_parents], iteration=t,
+                                       kind="realloc"))
+                    parents.append((len(nodes) - 1, 0.0))
+                else:
+                    parents.extend((i, 0.0) for i in param_parents)
+                prefetch = 0.0
+                if CALL_MODEL[k] in plan.offload:
+                    m = p.models[CALL_MODEL[k]]
+                    hw = self.cost.hw(pl.mesh)
+                    prefetch = m.param_bytes / (pl.strategy.tp * pl.strategy.pp) / hw.pcie_bw
+                nodes.append(TNode(f"{k}@{t}", d[k], pl.mesh.rank_set, parents, prefetch, t))
+                index[(k, t)] = len(nodes) - 1
+        tl = simulate(nodes)
+        mem = self.memory(plan)
+        oom = False
+        peak, cap = 0.0, 0.0
+        for r, b in mem.items():
+            group, _ = p.cluster.node_of(r)
+            capacity = self.cost.capacity(group)
+            if b / capacity > (peak / cap if cap else -1):
+                peak, cap = b, capacity
+            oom = oom or b > capacity
+        it = tl.iteration_time()
+        return Estimate(it * (p.oom_penalty if oom else 1.0), it, tl.makespan, oom, peak, cap, d,
+                        rtime, notes, tl if keep_timeline else None,
+                        mem if keep_timeline else {})

@@ -1,0 +1,216 @@
+"""FlexRLHF's placements and the co-located heuristic.
+
+A placement says where each model runs: a ratio of the training device group per model
+(FlexRLHF's ``[actor, critic, ref, reward]``, e.g. ``[1, 1, 0.5, 0.5]``) or explicit rank sets
+per model or per call. Ratios of 1 take the whole group; smaller ones are packed left to right
+in model order, wrapping to the start when the group is full, so ``[1, 1, 0.5, 0.5]`` puts the
+Ref on the first half and the Reward on the second. Every rank set must be a legal mesh:
+whole nodes, or a slice of one node whose size divides it.
+
+Presets:
+
+* ``colocated``: every model on every GPU (DeepSpeed-Chat, FlexRLHF's "flattening");
+* ``interleaved``: Actor and Critic everywhere, Ref and Reward on disjoint halves, so the two
+  frozen models score at the same time and each GPU stores one of them;
+* ``interleaved2``: Actor with Ref on one half, Critic with Reward on the other;
+* ``disaggregated``: training ranks run the two training calls; the inference ranks (the
+  inference-only group when the cluster has one, else the last ``inference_fraction`` of the
+  nodes) run generation and the three inference calls, with shadow Actor and Critic synced from
+  the training layout after every PPO round (reallocation nodes in the estimate).
+
+Parallel strategies follow the Megatron-LM recipe per model: the smallest model-parallel
+degree (tensor parallelism inside a node first, then pipeline stages) at which the plan fits,
+data parallelism for the rest, one strategy for all of a model's calls on the same mesh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+from .errors import PlacementError
+from .estimate import Estimator
+from .graph import CALL_MODEL, CALLS, MODELS
+from .hardware import Cluster
+from .mesh import DeviceMesh, make_mesh, mesh_from_ranks
+from .plan import CallPlacement, ExecutionPlan
+from .problem import PlacementProblem
+from .strategy import ParallelStrategy, strategies_for
+
+PRESETS: dict[str, tuple[float, float, float, float]] = {
+    "colocated": (1, 1, 1, 1),
+    "interleaved": (1, 1, 0.5, 0.5),
+    "interleaved2": (0.5, 0.5, 0.5, 0.5),
+}
+PRESET_NAMES = ("colocated", "interleaved", "interleaved2", "disaggregated")
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Ratios per model, or explicit ranks per model or call, or the disaggregated split."""
+
+    ratios: tuple[float, float, float, float] | None = None
+    ranks: Mapping[str, Sequence[int]] = field(default_factory=dict)
+    disaggregated: bool = False
+    inference_fraction: float = 0.5
+    name: str = ""
+
+
+def _ratio_mesh(cluster: Cluster, ratio: float, start_frac: float, who: str) -> DeviceMesh:
+    g = cluster.train_group
+    n = ratio * g.size
+    if n != int(n) or n < 1:
+        raise PlacementError(f"{who}: ratio {ratio} of {g.size} GPUs is not a whole number of "
+                             f"GPUs; use a ratio that is a multiple of 1/{g.size}")
+    n = int(n)
+    start = int(round(start_frac * g.size))
+    if n >= g.gpus_per_node:
+        if n % g.gpus_per_node or start % g.gpus_per_node:
+            raise PlacementError(f"{who}: ratio {ratio} gives {n} GPUs from GPU {start}, not whole "
+                                 f"nodes of {g.gpus_per_node}; use a ratio that is a multiple of "
+                                 f"{g.gpus_per_node}/{g.size} (node topology)")
+        return make_mesh(cluster, g.name, start // g.gpus_per_node, n // g.gpus_per_node)
+    return make_mesh(cluster, g.name, start // g.gpus_per_node, 1, start % g.gpus_per_node, n)
+
+
+def ratio_meshes(cluster: Cluster, ratios: Sequence[float]) -> dict[str, DeviceMesh]:
+    """Model -> mesh for FlexRLHF ratios ``[actor, critic, ref, reward]``."""
+    if len(ratios) != 4:
+        raise PlacementError(f"placement ratios: give 4 numbers [actor, critic, ref, reward], "
+                             f"got {list(ratios)}")
+    out = {}
+    cursor = 0.0
+    for model, r in zip(MODELS, ratios):
+        if not 0 < r <= 1:
+            raise PlacementError(f"placement ratio of {model} is {r}; use 0 < ratio <= 1")
+        if r == 1:
+            out[model] = _ratio_mesh(cluster, 1.0, 0.0, model)
+            continue
+        if cursor + r > 1 + 1e-12:
+            cursor = 0.0
+        out[model] = _ratio_mesh(cluster, r, cursor, model)
+        cursor += r
+        if cursor >= 1 - 1e-12:
+            cursor = 0.0
+    return out
+
+
+def _disaggregated_meshes(cluster: Cluster, fraction: float) -> tuple[DeviceMesh, DeviceMesh]:
+    inf_groups = [g for g in cluster.groups if g.inference_only]
+    g = cluster.train_group
+    if inf_groups:
+        ig = inf_groups[0]
+        return make_mesh(cluster, g.name, 0, g.nodes), make_mesh(cluster, ig.name, 0, ig.nodes)
+    if g.nodes >= 2:
+        k = int(round(fraction * g.nodes))
+        if not 0 < k < g.nodes:
+            raise PlacementError(f"inference_fraction {fraction} of {g.nodes} nodes leaves no "
+                                 "training or no inference node; use a fraction between "
+                                 f"{1 / g.nodes} and {1 - 1 / g.nodes}")
+        return (make_mesh(cluster, g.name, 0, g.nodes - k),
+                make_mesh(cluster, g.name, g.nodes - k, k))
+    half = g.gpus_per_node // 2
+    if half < 1:
+        raise PlacementError("disaggregated needs at least 2 GPUs")
+    k = max(1, int(round(fraction * g.gpus_per_node)))
+    if k != half:
+        raise PlacementError(f"on one node, disaggregated splits the node in halves; use "
+                             f"inference_fraction 0.5 (got {fraction}) or add nodes")
+    return make_mesh(cluster, g.name, 0, 1, 0, half), make_mesh(cluster, g.name, 0, 1, half, half)
+
+
+def placement_meshes(problem: PlacementProblem, placement: Placement) -> dict[str, DeviceMesh]:
+    """Call -> mesh."""
+    cl = problem.cluster
+    if placement.disaggregated:
+        train, infer = _disaggregated_meshes(cl, placement.inference_fraction)
+        return {c: (train if c.endswith("_train") else infer) for c in CALLS}
+    by_model: dict[str, DeviceMesh] = {}
+    if placement.ratios is not None:
+        by_model = ratio_meshes(cl, placement.ratios)
+    out = {c: by_model.get(CALL_MODEL[c]) for c in CALLS}
+    for key, ranks in placement.ranks.items():
+        mesh = mesh_from_ranks(cl, ranks)
+        if key in CALLS:
+            out[key] = mesh
+        elif key in MODELS:
+            for c in CALLS:
+                if CALL_MODEL[c] == key:
+                    out[c] = mesh
+        else:
+            raise PlacementError(f"placement ranks: {key!r} is neither a model {list(MODELS)} "
+                                 f"nor a call {list(CALLS)}")
+    missing = [c for c, m in out.items() if m is None]
+    if missing:
+        raise PlacementError(f"placement leaves {missing} without ranks; give ratios or ranks "
+                             "for every model")
+    return out  # type: ignore[return-value]
+
+
+def _ladder(mesh: DeviceMesh, problem: PlacementProblem, model: str) -> list[ParallelStrategy]:
+    """Strategies by growing model-parallel degree, tensor parallelism first."""
+    ss = strategies_for(mesh, problem.models[model])
+    return sorted(ss, key=lambda s: (s.tp * s.pp, s.pp, s.tp))
+
+
+def fit_strategies(problem: PlacementProblem, meshes: dict[str, DeviceMesh], name: str,
+                   estimator: Estimator | None = None, offload: tuple[str, ...] = ()
+                   ) -> ExecutionPlan:
+    """Megatron-style strategies for fixed meshes: raise the model-parallel degree of the
+    models on the fullest GPU until the plan fits (or nothing can grow)."""
+    est = estimator or Estimator(problem)
+    keys = sorted({(CALL_MODEL[c], meshes[c].ranks) for c in CALLS})
+    mesh_of = {k: next(meshes[c] for c in CALLS if (CALL_MODEL[c], meshes[c].ranks) == k)
+               for k in keys}
+    ladders = {k: _ladder(mesh_of[k], problem, k[0]) for k in keys}
+    for k, lad in ladders.items():
+        if not lad:
+            raise PlacementError(f"{name}: no parallel strategy of {k[0]} fits mesh {mesh_of[k]}")
+    level = dict.fromkeys(keys, 0)
+
+    def build() -> ExecutionPlan:
+        calls = {c: CallPlacement(meshes[c], ladders[(CALL_MODEL[c], meshes[c].ranks)][
+            level[(CALL_MODEL[c], meshes[c].ranks)]]) for c in CALLS}
+        return ExecutionPlan(calls, name, offload)
+
+    while True:
+        plan = build()
+        mem = est.memory(plan)
+        over = {r: b / est.cost.capacity(problem.cluster.node_of(r)[0]) for r, b in mem.items()}
+        worst = max(over, key=lambda r: over[r])
+        if over[worst] <= 1.0:
+            return plan
+        grown = False
+        for k in keys:
+            if worst in mesh_of[k].rank_set and level[k] + 1 < len(ladders[k]):
+                level[k] += 1
+                grown = True
+        if not grown:
+            return plan  # does not fit at any degree: the estimate carries the OOM penalty
+
+
+def preset_plan(problem: PlacementProblem, name: str, *, estimator: Estimator | None = None,
+                inference_fraction: float = 0.5) -> ExecutionPlan:
+    """One of ``colocated``, ``interleaved``, ``interleaved2``, ``disaggregated``."""
+    if name == "disaggregated":
+        placement = Placement(disaggregated=True, inference_fraction=inference_fraction, name=name)
+    elif name in PRESETS:
+        placement = Placement(ratios=PRESETS[name], name=name)
+    else:
+        raise PlacementError(f"unknown placement preset {name!r}; use one of {list(PRESET_NAMES)}")
+    offload = ("ref", "reward") if problem.offload_frozen else ()
+    return fit_strategies(problem, placement_meshes(problem, placement), name, estimator, offload)
+
+
+def placement_plan(problem: PlacementProblem, placement: Placement, *,
+                   estimator: Estimator | None = None) -> ExecutionPlan:
+    offload = ("ref", "reward") if problem.offload_frozen else ()
+    return fit_strategies(problem, placement_meshes(problem, placement),
+                          placement.name or "custom", estimator, offload)
+
+
+def colocated_heuristic(problem: PlacementProblem, *, estimator: Estimator | None = None
+                        ) -> ExecutionPlan:
+    """The baseline the search is compared with: every model on every GPU of the training
+    group with the Megatron-style strategy (ReaLHF's heuristic plan)."""
+    return preset_plan(problem, "colocated", estimator=estimator)

@@ -1,0 +1,161 @@
+"""What the planner plans for: the four models, the cluster, the batch and the PPO shape.
+
+``PlacementProblem.from_dict`` reads the ``rlhf-fusion plan`` config (YAML/JSON); every bad
+value raises a :class:`PlacementError` that names the field and the fix.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import PlacementError
+from .graph import MODELS
+from .hardware import Cluster
+from .models import ModelShape, resolve_model
+
+
+@dataclass(frozen=True)
+class Fusion:
+    """Which of our fused simulators replace the analytic costs (see ``hooks.py``)."""
+
+    rollout: bool = False   # generation (+ inference on the generation mesh) from the R_t simulator
+    train: bool = False     # Actor + Critic training on one mesh from the fused pipeline schedule
+
+
+@dataclass(frozen=True)
+class PlacementProblem:
+    models: dict[str, ModelShape]
+    cluster: Cluster
+    batch: int = 512                 # prompts (= samples) per iteration
+    prompt_len: int = 1024
+    gen_len: int = 1024              # generated tokens (the maximum when lengths are given)
+    ppo_minibatches: int = 4
+    ppo_epochs: int = 1
+    micro_batch_tokens: int = 8192   # tokens per training micro-batch
+    gradient_checkpointing: bool = True
+    offload_frozen: bool = False     # Ref and Reward live in host memory between their calls
+    length_median: float | None = None   # lognormal response lengths (median, sigma) for the
+    length_sigma: float = 1.0            # rollout simulator; None: every response is gen_len
+    fusion: Fusion = field(default_factory=Fusion)
+    oom_penalty: float = 3.0         # ReaLHF multiplies an out-of-memory plan's time by 3
+    iterations: int = 2              # iterations Algorithm 1 simulates
+    min_mesh_gpus: int = 0           # 0: 1 on clusters of <= 8 GPUs, else 4 (ReaLHF's default)
+    name: str = ""
+
+    def __post_init__(self) -> None:
+        missing = [m for m in MODELS if m not in self.models]
+        if missing:
+            raise PlacementError(f"models: {missing} missing; give actor, critic, ref, reward "
+                                 "(ref defaults to the actor, reward to the critic)")
+        for key in ("batch", "prompt_len", "gen_len", "ppo_minibatches", "ppo_epochs",
+                    "micro_batch_tokens", "iterations"):
+            v = getattr(self, key)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise PlacementError(f"{key}: must be a positive integer, got {v!r}")
+        if self.batch < self.ppo_minibatches:
+            raise PlacementError(f"batch={self.batch} is smaller than ppo_minibatches="
+                                 f"{self.ppo_minibatches}; raise batch or lower ppo_minibatches")
+        if self.oom_penalty < 1:
+            raise PlacementError("oom_penalty must be >= 1 (a plan that does not fit must not "
+                                 "look faster)")
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.gen_len
+
+    @property
+    def mesh_min_gpus(self) -> int:
+        if self.min_mesh_gpus:
+            return self.min_mesh_gpus
+        return 1 if self.cluster.size <= 8 else 4
+
+    def summary(self) -> dict[str, Any]:
+        return {"name": self.name,
+                "models": {k: v.name or f"{v.params / 1e9:g}B" for k, v in self.models.items()},
+                "cluster": [f"{g.name}: {g.nodes}x{g.gpus_per_node} {g.hardware.name}"
+                            + (" (inference only)" if g.inference_only else "")
+                            for g in self.cluster.groups],
+                "batch": self.batch, "prompt_len": self.prompt_len, "gen_len": self.gen_len}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> PlacementProblem:
+        if not isinstance(d, dict):
+            raise PlacementError("the plan config must be a mapping with models, cluster, batch, "
+                                 "prompt_len, gen_len (see docs/placement.md)")
+        known = {"models", "cluster", "batch", "prompt_len", "gen_len", "ppo_minibatches",
+                 "ppo_epochs", "micro_batch_tokens", "gradient_checkpointing", "offload_frozen",
+                 "lengths", "fusion", "oom_penalty", "iterations", "min_mesh_gpus", "name",
+                 "search"}
+        unknown = set(d) - known
+        if unknown:
+            raise PlacementError(f"unknown config keys {sorted(unknown)}; known keys: "
+                                 f"{sorted(known)}")
+        if "models" not in d or not isinstance(d["models"], dict):
+            raise PlacementError("models: give a mapping such as {actor: llama-7b, critic: "
+                                 "llama-7b}")
+        raw = dict(d["models"])
+        bad = set(raw) - set(MODELS)
+        if bad:
+            raise PlacementError(f"models: unknown roles {sorted(bad)}; use {list(MODELS)}")
+        if "actor" not in raw:
+            raise PlacementError("models.actor is required (a preset such as llama-7b or "
+                                 "{params: 7e9})")
+        raw.setdefault("critic", raw["actor"])
+        raw.setdefault("ref", raw["actor"])
+        raw.setdefault("reward", raw["critic"])
+        models = {role: resolve_model(raw[role], f"models.{role}") for role in MODELS}
+        if "cluster" not in d:
+            raise PlacementError("cluster: required, e.g. {nodes: 1, gpus_per_node: 8, "
+                                 "hardware: a100-80g}")
+        cluster = Cluster.from_dict(d["cluster"])
+        lengths = d.get("lengths") or {}
+        if lengths and "median" not in lengths:
+            raise PlacementError("lengths: give median (and sigma) of the response lengths")
+        fusion = d.get("fusion") or {}
+        if not isinstance(fusion, dict) or set(fusion) - {"rollout", "train"}:
+            raise PlacementError("fusion: a mapping with rollout and/or train (true/false)")
+        kw: dict[str, Any] = {}
+        for key in ("batch", "prompt_len", "gen_len", "ppo_minibatches", "ppo_epochs",
+                    "micro_batch_tokens", "iterations", "min_mesh_gpus"):
+            if key in d:
+                kw[key] = _int(d[key], key)
+        for key in ("gradient_checkpointing", "offload_frozen"):
+            if key in d:
+                kw[key] = bool(d[key])
+        if "oom_penalty" in d:
+            kw["oom_penalty"] = float(d["oom_penalty"])
+        return cls(models=models, cluster=cluster,
+                   length_median=float(lengths["median"]) if lengths else None,
+                   length_sigma=float(lengths.get("sigma", 1.0)) if lengths else 1.0,
+                   fusion=Fusion(bool(fusion.get("rollout", False)), bool(fusion.get("train", False))),
+                   name=str(d.get("name", "")), **kw)
+
+
+def _int(v: Any, key: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v != int(v):
+        raise PlacementError(f"{key}: must be an integer, got {v!r}")
+    return int(v)
+
+
+def load_config(path: str | Path) -> dict[str, Any]:
+    """A YAML or JSON file as a dict."""
+    p = Path(path)
+    if not p.exists():
+        raise PlacementError(f"config {p} does not exist; pass the path of a YAML/JSON plan config")
+    text = p.read_text()
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise PlacementError(f"{p}: not valid YAML ({exc})") from None
+    else:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlacementError(f"{p}: not valid JSON ({exc}); YAML files need a .yaml suffix") from None
+    return data

@@ -1,0 +1,175 @@
+"""Parameter reallocation between two layouts of one model (ReaLHF §6, Figure 7).
+
+A layout is a mesh with a (dp, tp, pp): rank i of the mesh holds the layers of its pipeline
+stage and the 1/tp column of its tensor-parallel index (every data-parallel replica holds the
+same shards). Reallocation gives every destination rank its shard: what it already holds in
+the source layout stays, every other piece comes from the cheapest source that holds it (the
+same node over NVLink before another node over InfiniBand; among equals the least loaded, then
+the lowest rank), so each byte a destination lacks arrives exactly once. ``min_bytes`` is that
+lower bound; ``min_ib_bytes`` counts, per destination node, the bytes no GPU of that node
+holds, which any scheme must bring in over InfiniBand at least once.
+
+Shards are exact rectangles in (layer, tensor-column) space with rational column bounds, so
+the transfers tile each destination shard exactly: the precondition for a bit-exact runtime.
+Embeddings and the head are spread over layers here (the runtime moves them with the first
+and last stage).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from fractions import Fraction
+
+from .hardware import Cluster
+from .mesh import DeviceMesh
+from .models import ModelShape
+from .strategy import ParallelStrategy
+
+
+@dataclass(frozen=True)
+class Layout:
+    mesh: DeviceMesh
+    strategy: ParallelStrategy
+
+    def stage_layers(self, stage: int, layers: int) -> tuple[int, int]:
+        pp = self.strategy.pp
+        return stage * layers // pp, (stage + 1) * layers // pp
+
+    def shards(self, layers: int) -> dict[int, tuple[int, int, Fraction, Fraction]]:
+        """rank -> (first layer, end layer, first column, end column)."""
+        out = {}
+        s = self.strategy
+        for i, r in enumerate(self.mesh.ranks):
+            _, t, st = s.coords(i)
+            l0, l1 = self.stage_layers(st, layers)
+            out[r] = (l0, l1, Fraction(t, s.tp), Fraction(t + 1, s.tp))
+        return out
+
+
+@dataclass(frozen=True)
+class Transfer:
+    src: int
+    dst: int
+    layers: tuple[int, int]
+    columns: tuple[Fraction, Fraction]
+    nbytes: float
+    link: str        # "nvlink" | "ib"
+
+
+@dataclass
+class ReallocPlan:
+    transfers: list[Transfer]
+    bytes: float
+    min_bytes: float
+    ib_bytes: float
+    min_ib_bytes: float
+    seconds: float
+
+    def summary(self) -> dict[str, float]:
+        return {"bytes": self.bytes, "min_bytes": self.min_bytes, "ib_bytes": self.ib_bytes,
+                "min_ib_bytes": self.min_ib_bytes, "seconds": self.seconds,
+                "transfers": len(self.transfers)}
+
+
+def _inter(a: tuple, b: tuple) -> tuple | None:
+    l0, l1 = max(a[0], b[0]), min(a[1], b[1])
+    c0, c1 = max(a[2], b[2]), min(a[3], b[3])
+    if l0 >= l1 or c0 >= c1:
+        return None
+    return l0, l1, c0, c1
+
+
+def plan_realloc(model: ModelShape, src: Layout, dst: Layout, cluster: Cluster, *,
+                 detail: bool = True) -> ReallocPlan:
+    """Transfers that take ``model`` from layout ``src`` to ``dst`` and their time.
+    ``detail=False`` skips the InfiniBand lower bound (the search needs only the time)."""
+    L = model.layers
+    per_cell = model.param_bytes / L     # bytes of one layer's full width
+
+    def nbytes(rect: tuple) -> float:
+        return float(per_cell * (rect[1] - rect[0]) * (rect[3] - rect[2]))
+
+    src_sh = src.shards(L)
+    holders: dict[tuple, list[int]] = defaultdict(list)   # shard rect -> ranks holding it
+    for r, rect in src_sh.items():
+        holders[rect].append(r)
+    node = {r: cluster.node_of(r)[1] for r in set(src_sh) | set(dst.mesh.ranks)}
+    load: dict[int, float] = defaultdict(float)
+    transfers: list[Transfer] = []
+    min_ib = 0.0
+    dst_sh = dst.shards(L)
+    by_node: dict[int, list[int]] = defaultdict(list)
+    for r in dst_sh:
+        by_node[node[r]].append(r)
+    for dnode, ranks in sorted(by_node.items()) if detail else ():
+        # Bytes this node needs that none of its GPUs holds: the InfiniBand lower bound.
+        needed: set[tuple] = set()
+        for r in ranks:
+            for rect, hs in holders.items():
+                if any(node[h] == dnode for h in hs):
+                    continue
+                piece = _inter(rect, dst_sh[r])
+                if piece:
+                    needed.add(piece)
+        min_ib += _union_bytes(needed, nbytes)
+    for r in sorted(dst_sh):
+        want = dst_sh[r]
+        own = src_sh.get(r)
+        for rect in sorted(holders):
+            if rect == own:
+                continue
+            piece = _inter(rect, want)
+            if piece is None:
+                continue
+            hs = holders[rect]
+            same = [h for h in hs if node[h] == node[r]]
+            pool = same or hs
+            h = min(pool, key=lambda x: (load[x], x))
+            b = nbytes(piece)
+            load[h] += b
+            transfers.append(Transfer(h, r, (piece[0], piece[1]), (piece[2], piece[3]), b,
+                                      "nvlink" if same else "ib"))
+    total = sum(t.nbytes for t in transfers)
+    ib = sum(t.nbytes for t in transfers if t.link == "ib")
+    min_bytes = 0.0
+    for r, want in dst_sh.items():
+        own = src_sh.get(r)
+        held = _inter(own, want) if own else None
+        min_bytes += nbytes(want) - (nbytes(held) if held else 0.0)
+    return ReallocPlan(transfers, total, min_bytes, ib, min_ib,
+                       _seconds(transfers, cluster, dst.mesh))
+
+
+def _union_bytes(pieces: set[tuple], nbytes) -> float:
+    """Bytes covered by a set of rectangles (pieces of one tiling can overlap across ranks)."""
+    if not pieces:
+        return 0.0
+    ls = sorted({p[0] for p in pieces} | {p[1] for p in pieces})
+    cs = sorted({p[2] for p in pieces} | {p[3] for p in pieces})
+    total = 0.0
+    for i in range(len(ls) - 1):
+        for j in range(len(cs) - 1):
+            cell = (ls[i], ls[i + 1], cs[j], cs[j + 1])
+            if any(p[0] <= cell[0] and cell[1] <= p[1] and p[2] <= cell[2] and cell[3] <= p[3]
+                   for p in pieces):
+                total += nbytes(cell)
+    return total
+
+
+def _seconds(transfers: list[Transfer], cluster: Cluster, mesh: DeviceMesh) -> float:
+    """Destination-bound time: every rank receives its NVLink and its InfiniBand bytes at its
+    link's rate (broadcast trees keep the sources as busy as the receivers), plus one latency
+    per transfer round."""
+    if not transfers:
+        return 0.0
+    hw = cluster.group(mesh.group).hardware
+    nv: dict[int, float] = defaultdict(float)
+    ib: dict[int, float] = defaultdict(float)
+    for t in transfers:
+        (nv if t.link == "nvlink" else ib)[t.dst] += t.nbytes
+    eff = hw.comm_efficiency
+    worst = max([b / (hw.nvlink_bw * eff) for b in nv.values()]
+                + [b / (hw.ib_bw * eff) for b in ib.values()] + [0.0])
+    rounds = max(sum(1 for t in transfers if t.dst == d) for d in {t.dst for t in transfers})
+    return worst + rounds * hw.link_latency_s
