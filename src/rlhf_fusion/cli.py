@@ -179,6 +179,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_plan_migration_parser(m)
     m.set_defaults(func=run_plan_migration)
 
+    from .placement.cli import add_plan_parser, run_plan
+
+    pl = sub.add_parser("plan", help="search where each model call runs (placement, dp/tp/pp)")
+    add_plan_parser(pl)
+    pl.set_defaults(func=run_plan)
+
     # OpenRLHF's flags pass through untouched: this subparser parses none of them ("-" is not
     # its prefix), rlhf_fusion.integrations.openrlhf splits off the --fusion.* ones.
     o = sub.add_parser("openrlhf", prefix_chars="\x00", add_help=False,
