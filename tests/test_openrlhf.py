@@ -54,10 +54,13 @@ def test_split_keeps_stock_flags_in_order_and_parses_ours():
     assert split_argv(["--fusion.rt=auto"])[1].rt == "auto"
     assert split_argv(["--fusion.rt=auto"])[1].stream  # migration moves streamed requests
     assert split_argv(STOCK) == (STOCK, FusionOptions())
+    scoring = split_argv(["--fusion.stream_scoring"])[1]
+    assert scoring.stream_scoring and scoring.stream  # scoring consumes streamed samples
 
 
 @pytest.mark.parametrize("bad", [["--fusion.gea"], ["--fusion.rt", "1.5"], ["--fusion.rt"],
-                                 ["--fusion.mechanism", "kv"], ["--fusion.gae=1"]])
+                                 ["--fusion.mechanism", "kv"], ["--fusion.gae=1"],
+                                 ["--fusion.stream_scoring=1"], ["--fusion.stream-scoring"]])
 def test_bad_fusion_flags_are_errors(bad):
     with pytest.raises(FusionFlagError):
         split_argv(STOCK + bad)
@@ -92,6 +95,35 @@ def test_seam_check_fails_on_a_changed_signature(monkeypatch):
                         lambda self, values, rewards, action_mask, gamma, lam: None)
     with pytest.raises(OpenRLHFVersionError, match="get_advantages_and_returns"):
         check_seams()
+
+
+@pytest.mark.parametrize("seam", ["make_experience", "_dispatch_forward", "split_rollout_samples"])
+def test_scoring_seam_check_fails_on_a_changed_maker(monkeypatch, seam):
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    from rlhf_fusion.integrations.openrlhf.compat import OpenRLHFVersionError, check_seams
+
+    def changed(self, batches, **kwargs):  # renamed parameter / a body without the stock calls
+        return None
+
+    monkeypatch.setattr(RemoteExperienceMaker, seam, changed)
+    with pytest.raises(OpenRLHFVersionError, match=seam):
+        check_seams(gae=False, stream=False, scoring=True)
+    check_seams(gae=False, stream=False, scoring=False)  # not checked when the flag is off
+
+
+def test_scoring_seam_check_reads_the_stock_bodies(monkeypatch):
+    """Same signature, but make_experience no longer batches the reward model as patched."""
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+
+    from rlhf_fusion.integrations.openrlhf.compat import OpenRLHFVersionError, check_seams
+
+    def make_experience(self, samples_list):
+        return self._dispatch_forward(self.actor_model_group, False)
+
+    monkeypatch.setattr(RemoteExperienceMaker, "make_experience", make_experience)
+    with pytest.raises(OpenRLHFVersionError, match=r"samples_list\[0\].rewards is None"):
+        check_seams(gae=False, stream=False, scoring=True)
 
 
 def test_stock_parser_gets_the_stock_flags_and_train_skips_ray_init(monkeypatch, clean_plugins):
@@ -178,7 +210,7 @@ def ray_with_hook():
 
     if ray.is_initialized():
         ray.shutdown()
-    opts = FusionOptions(gae=True, stream=True, rt=0.75)
+    opts = FusionOptions(gae=True, stream=True, rt=0.75, stream_scoring=True)
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env=ray_runtime_env(opts, hook=HOOK_WITH_STUBS))
     yield opts
@@ -198,6 +230,7 @@ class _Probe:
 
         from rlhf_fusion.integrations.openrlhf import plugins
         from rlhf_fusion.integrations.openrlhf.gae_plugin import fused_get_advantages_and_returns
+        from rlhf_fusion.integrations.openrlhf.scoring import fusion_make_experience_batch
         from rlhf_fusion.integrations.openrlhf.streaming import fusion_generate_vllm
 
         g = torch.Generator().manual_seed(seed)
@@ -212,6 +245,8 @@ class _Probe:
             "gae_is_ours": RemoteExperienceMaker.get_advantages_and_returns
             is fused_get_advantages_and_returns,
             "stream_is_ours": SamplesGenerator._generate_vllm is fusion_generate_vllm,
+            "scoring_is_ours": RemoteExperienceMaker.make_experience_batch
+            is fusion_make_experience_batch,
             "max_err": max(float((a - b).abs().max()) for a, b in zip(got, want)),
         }
 
@@ -223,8 +258,8 @@ def test_setup_hook_installs_plugins_inside_ray_workers(ray_with_hook):
     reports = ray.get([p.report.remote(i) for i, p in enumerate(probes)], timeout=120)
     for rep in reports:
         assert rep["pid"] != os.getpid()
-        assert rep["plugins"] == ["gae", "migrate", "stream"]
-        assert rep["gae_is_ours"] and rep["stream_is_ours"]
+        assert rep["plugins"] == ["gae", "migrate", "stream", "stream_scoring"]
+        assert rep["gae_is_ours"] and rep["stream_is_ours"] and rep["scoring_is_ours"]
         assert rep["max_err"] <= 1e-5
     for p in probes:
         ray.kill(p)

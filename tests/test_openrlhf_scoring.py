@@ -90,21 +90,23 @@ def _args(**train):
     )
 
 
-def _trainer(setup, args):
+def _trainer(setup, args, engines=None, prompts=PROMPTS):
     """OpenRLHF's BasePPOTrainer.__init__ (as PPOTrainer calls it: generator first)."""
     from openrlhf.trainer.ppo_trainer import BasePPOTrainer
     from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
+    engines = engines or setup.engines
+
     class Trainer(BasePPOTrainer):
         def __init__(self):
             strategy = SimpleNamespace(args=args)
-            loader = [(None, PROMPTS[i:i + 4], [f"l{i + j}" for j in range(4)], [None] * 4)
-                      for i in range(0, len(PROMPTS), 4)]
+            loader = [(None, prompts[i:i + 4], [f"l{i + j}" for j in range(4)], [None] * 4)
+                      for i in range(0, len(prompts), 4)]
             self.samples_generator = SamplesGenerator(strategy, loader, None, CharTokenizer(),
-                                                      setup.engines)
+                                                      engines)
             g = setup.groups
             super().__init__(strategy, g["actor"], g["critic"], g["reward"], g["ref"],
-                             setup.engines, CharTokenizer())
+                             engines, CharTokenizer())
 
     return Trainer()
 
@@ -134,14 +136,16 @@ def _stock_experiences(setup, samples):
     return trainer.experience_maker.make_experience_batch(samples)
 
 
-def _streamed(setup, rt=None, **train):
+def _streamed(setup, rt=None, args=None, engines=None, prompts=PROMPTS, gen_kwargs=GEN,
+              **train):
     setup.plugins.uninstall_plugins()
     setup.plugins.install_plugins(FusionOptions(stream_scoring=True, rt=rt))
-    trainer = _trainer(setup, _args(**train))
+    trainer = _trainer(setup, args or _args(**train), engines, prompts)
     _reports(setup)  # clear
     gen = trainer.samples_generator
-    samples, _, consumed, exhausted = gen.generate_samples(**GEN)
-    assert len(samples) == len(PROMPTS) * N and consumed == len(PROMPTS)
+    samples, _, consumed, exhausted = gen.generate_samples(**gen_kwargs)
+    if args is None:
+        assert len(samples) == len(PROMPTS) * N and consumed == len(PROMPTS)
     during = _reports(setup)
     stock_input = copy.deepcopy(samples)
     experiences = trainer.experience_maker.make_experience_batch(samples)
@@ -155,13 +159,16 @@ def _check(setup, run, streamed_groups):
     # (2) the experiences are the stock make_experience_batch's, tensor for tensor
     assert run.link.used == 1 and run.link.fallbacks == 0
     want = _stock_experiences(setup, run.stock_input)
-    assert len(run.experiences) == len(want) == len(PROMPTS) * N // MICRO
+    assert len(run.experiences) == len(want) == -(-len(run.samples) // MICRO)
     for i, (got, ref) in enumerate(zip(run.experiences, want)):
         for f in fields(got):
             _same(getattr(got, f.name), getattr(ref, f.name), f"experience {i}.{f.name}")
     # (3) every sample scored exactly once by every model
     samples = Counter(tuple(s.sequences[0].tolist()) for s in run.samples)
     for name in ("actor", "critic", "reward", "ref"):
+        if name == "reward" and run.samples[0].rewards is not None:
+            assert not run.during[name] and not run.after[name]  # rewards came with the samples
+            continue
         rows = Counter(r for calls in (run.during[name], run.after[name])
                        for _, rs in calls for r in rs)
         assert rows == samples, name
@@ -192,6 +199,52 @@ def test_colocated_pairs_stream_one_member_and_serialise_the_other(setup):
     _check(setup, run, ("reward", "ref"))
     assert not run.during["actor"] and not run.during["critic"]  # deferred to make_experience
     assert min(t for t, _ in run.after["actor"]) > max(t for t, _ in run.during["ref"])
+
+
+REWARD_FUNC = """
+import torch
+
+
+def reward_func(queries, prompts, labels):
+    # kept while the mean of a prompt's two scores is in (-0.5, 0.75): labels l1 and l5 score
+    # 1 (filtered), the replacements (l8, l12, ...) 0 (kept), the others a coin per sample
+    i = int(labels[0][1:])
+    if i >= 8:
+        score = 0.0
+    else:
+        score = 1.0 if i % 4 == 1 else float(sum(map(int, queries[0].split())) % 2)
+    return {"rewards": torch.tensor(score), "scores": torch.tensor(score)}
+"""
+
+
+def test_dynamic_filtering_scores_only_accepted_prompts(setup, tmp_path):
+    """A remote reward function (run by the executor on the engine, so already streamed) with
+    dynamic filtering: filtered prompts are never scored, replacements are, and the batch is
+    the stock make_experience_batch's."""
+    from openrlhf.trainer.ray import vllm_engine as ve
+
+    from rlhf_fusion.integrations.openrlhf.engine import make_fusion_rollout_actor
+
+    path = tmp_path / "reward.py"
+    path.write_text(REWARD_FUNC)
+    engines = [make_fusion_rollout_actor(ve.RolloutRayActor).options(num_cpus=0).remote(
+        model=MODEL, seed=10 + i, num_gpus=0, remote_rm_url=str(path)) for i in range(2)]
+    try:
+        ray.get([e.get_num_unfinished_requests.remote() for e in engines], timeout=180)
+        args = _args()
+        args.algo.dynamic_filtering_enable = True
+        args.algo.dynamic_filtering_range = (-0.5, 0.75)
+        prompts = [f"prompt {i} " + "y" * (i % 3) for i in range(32)]
+        run = _streamed(setup, args=args, engines=engines, prompts=prompts,
+                        gen_kwargs={**GEN, "temperature": 1.0})
+        assert run.samples[0].rewards is not None
+        labels = {e.labels[0] for e in run.samples}
+        assert not {"l1", "l5"} & labels
+        assert any(int(lab[1:]) >= len(PROMPTS) for lab in labels)  # replacements were drawn
+        _check(setup, run, ("actor", "critic", "ref"))
+    finally:
+        for e in engines:
+            ray.kill(e)
 
 
 def test_colocate_all_keeps_the_stock_path(setup):
