@@ -55,8 +55,12 @@ def test_two_ppo_steps_of_a_05b_model_on_one_gpu(tmp_path):
            "--ds.zero_stage", "2", "--ds.param_dtype", "bf16", "--ds.attn_implementation", "sdpa",
            "--ckpt.output_dir", str(out), "--ckpt.path", str(out / "ckpt"),
            "--logger.logging_steps", "1",
-           "--fusion.gae", "--fusion.stream", "--fusion.rt", "0.5"]
+           "--fusion.gae", "--fusion.stream", "--fusion.rt", "0.5",
+           # one GPU means colocate_all: the stock make_experience path, through the wrapped
+           # BasePPOTrainer.__init__ of the real PPOTrainer
+           "--fusion.stream_scoring"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
     tail = (proc.stdout + proc.stderr)[-6000:]
     assert proc.returncode == 0, tail
     assert out.exists(), tail  # the stock train saved the actor after its two steps
+    assert "--fusion.stream_scoring falls back to stock" in proc.stdout + proc.stderr, tail

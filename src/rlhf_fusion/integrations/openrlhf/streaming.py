@@ -7,7 +7,9 @@ the moment it finishes; a prompt's experiences are built, in sample order, with 
 prompt, as stock). With migration on, once at most R_t samples of the batch still decode, the
 long tail is consolidated on the m engines that hold most of it (``rollout.planning``): the
 others abort their samples and the coordinator resubmits each, prompt plus generated ids with
-the remaining budget, to its destination. Every sample is collected exactly once.
+the remaining budget, to its destination. Every sample is collected exactly once. With
+``--fusion.stream_scoring`` each accepted prompt also goes to a ``scoring.StreamScorer``, which
+dispatches the model forwards of full micro-batches while the rest still decodes.
 """
 
 from __future__ import annotations
