@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import warnings
+from collections.abc import Sequence
 from typing import Any
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
@@ -124,28 +125,44 @@ def bench_grpo(args: argparse.Namespace) -> dict[str, Any]:
                              for name, fused in (("stock", False), ("fused", True))})
 
 
-def _write_grpo(args: argparse.Namespace, res: dict[str, Any]) -> None:
+def _write(algo: str, title: str, variants: Sequence[str], args: argparse.Namespace,
+           runs: list[tuple[int, dict[str, Any]]], workload: Sequence[str],
+           notes: Sequence[str] = ()) -> None:
+    """One results file per algorithm: a row per seed and variant, the speedup per seed."""
     rows = []
-    for name in ("stock", "fused"):
-        r, ln = res[name], res[name]["lengths"]
-        rows.append([name, f"{r['samples_per_s']:.1f}", f"{r['timed_s']:.2f}",
-                     f"{pct(ln, 0.5)} / {pct(ln, 0.9)} / {pct(ln, 0.99)} / {max(ln)}"])
+    for seed, res in runs:
+        for name in variants:
+            r, ln = res[name], res[name]["lengths"]
+            ph = r.get("phases") or {}
+            rows.append([str(seed), name, f"{r['samples_per_s']:.1f}", f"{r['timed_s']:.2f}",
+                         f"{pct(ln, 0.5)} / {pct(ln, 0.9)} / {pct(ln, 0.99)} / {max(ln)}",
+                         " / ".join(f"{ph[k]:.2f}" for k in (
+                             "time/generation", "time/inference", "time/training"))
+                         if ph else "-",
+                         f"**{res['speedup']:.2f}x**" if name == "fused" else ""])
+    speedups = [res["speedup"] for _, res in runs]
     payload = {
         "command": "python benchmarks/trl.py " + " ".join(sys.argv[1:]),
-        "workload": {k: getattr(args, k) for k in ("steps", "batch", "generations",
-                                                   "max_new_tokens", "eos_bias", "hidden",
-                                                   "layers", "lr", "seed", "quick")},
-        "speedup": res["speedup"], "p99_over_median": res["p99_over_median"],
-        **{name: {k: v for k, v in res[name].items()} for name in ("stock", "fused")},
+        "workload": {k: getattr(args, k) for k in workload},
+        "seeds": [seed for seed, _ in runs],
+        "speedup_min": min(speedups), "speedup_max": max(speedups),
+        "runs": [{"seed": seed, **res} for seed, res in runs],
     }
     path, _ = write_results(
-        "trl_grpo", payload,
-        [("GRPO: stock GRPOTrainer vs FusedGRPOTrainer",
-          ["trainer", "samples/s", "timed s", "lengths p50 / p90 / p99 / max"], rows)],
-        notes=[f"Speedup: **{res['speedup']:.2f}x** (fused over stock samples/s).",
-               "fused: `FusionConfig()` defaults (streamed generation and scoring, "
-               "padding-free training forward)."])
+        f"trl_{algo}", payload,
+        [(title, ["seed", "trainer", "samples/s", "timed s", "lengths p50 / p90 / p99 / max",
+                  "median s: generation / inference / training", "fused / stock"], rows)],
+        notes=[f"Speedup over seeds {payload['seeds']}: **{min(speedups):.2f}x - "
+               f"{max(speedups):.2f}x** (fused over stock samples/s).", *notes])
     print(f"wrote {path}", file=sys.stderr)
+
+
+def _write_grpo(args: argparse.Namespace, runs: list[tuple[int, dict[str, Any]]]) -> None:
+    _write("grpo", "GRPO: stock GRPOTrainer vs FusedGRPOTrainer", ("stock", "fused"), args,
+           runs, ("steps", "batch", "generations", "max_new_tokens", "eos_bias", "hidden",
+                  "layers", "lr", "quick"),
+           notes=["fused: `FusionConfig()` defaults (streamed generation and scoring, "
+                  "padding-free training forward)."])
 
 
 def _response_lengths(responses: Any, eos_id: int, pad_id: int) -> list[int]:
@@ -270,30 +287,11 @@ def bench_ppo(args: argparse.Namespace) -> dict[str, Any]:
                             for name in PPO_VARIANTS})
 
 
-def _write_ppo(args: argparse.Namespace, res: dict[str, Any]) -> None:
-    rows = []
-    for name in PPO_VARIANTS:
-        r, ln = res[name], res[name]["lengths"]
-        ph = r["phases"]
-        rows.append([name, f"{r['samples_per_s']:.1f}", f"{r['timed_s']:.2f}",
-                     f"{pct(ln, 0.5)} / {pct(ln, 0.9)} / {pct(ln, 0.99)} / {max(ln)}",
-                     " / ".join(f"{ph[k]:.2f}" for k in ("time/generation", "time/inference",
-                                                         "time/training")) if ph else "-"])
-    payload = {
-        "command": "python benchmarks/trl.py " + " ".join(sys.argv[1:]),
-        "workload": {k: getattr(args, k) for k in ("steps", "batch", "micro", "ppo_epochs",
-                                                   "max_new_tokens", "eos_bias", "hidden",
-                                                   "layers", "lr", "seed", "quick")},
-        "speedup": res["speedup"], "p99_over_median": res["p99_over_median"],
-        **{name: res[name] for name in PPO_VARIANTS},
-    }
-    path, _ = write_results(
-        "trl_ppo", payload,
-        [("PPO: trl 1.12 PPOTrainer vs FusedPPOTrainer (off = every plugin off)",
-          ["trainer", "samples/s", "timed s", "lengths p50 / p90 / p99 / max",
-           "median s: generation / inference / training"], rows)],
-        notes=[f"Speedup: **{res['speedup']:.2f}x** (fused over stock samples/s)."])
-    print(f"wrote {path}", file=sys.stderr)
+def _write_ppo(args: argparse.Namespace, runs: list[tuple[int, dict[str, Any]]]) -> None:
+    _write("ppo", "PPO: trl 1.12 PPOTrainer vs FusedPPOTrainer (off = every plugin off)",
+           PPO_VARIANTS, args, runs, ("steps", "batch", "micro", "ppo_epochs",
+                                      "max_new_tokens", "eos_bias", "hidden", "layers", "lr",
+                                      "quick"))
 
 
 BENCHES = {
@@ -317,7 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-5,
                     help="small, so the length distribution stays what sampling gives")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, nargs="+", default=None,
+                    help="one model and sampling seed per run (default 0 1 2; --quick: 0)")
     ap.add_argument("--cuda", action="store_true", help="train on the GPU (default: CPU)")
     ap.add_argument("--quick", action="store_true", help="a few-second smoke run")
     ap.add_argument("--no-write", action="store_true")
@@ -325,11 +324,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.steps, args.batch, args.generations, args.max_new_tokens = 2, 8, 4, 16
         args.micro = min(args.micro, args.batch)
+    seeds = args.seeds or ([0] if args.quick else [0, 1, 2])
     for algo in args.algos:
         bench, write = BENCHES[algo]
-        res = bench(args)
+        runs = []
+        for seed in seeds:
+            args.seed = seed
+            runs.append((seed, bench(args)))
         if not args.no_write:
-            write(args, res)
+            write(args, runs)
     return 0
 
 
