@@ -36,8 +36,7 @@ from _harness import (  # noqa: E402
     write_results,
 )
 
-from rlhf_fusion.integrations.trl.experience import reverse_loop_gae  # noqa: E402
-from rlhf_fusion.triton_kernels import gae_torch  # noqa: E402
+from rlhf_fusion.triton_kernels import gae_reference, gae_torch  # noqa: E402
 
 GAMMA, LAM = 0.99, 0.95
 CPU_SHAPE = (64, 2048)
@@ -52,10 +51,9 @@ CPU_BAR, GPU_BW_BAR, GPU_SPEED_BAR = 50.0, 0.60, 100.0
 
 def trl_loop(rewards, values, padding_mask, gamma=GAMMA, lam=LAM):
     """trl's PPOTrainer.train, "compute advantages and returns": zero the padding, then the
-    reverse loop (the same arithmetic FusedPPOTrainer runs with its GAE plugin off)."""
-    values = torch.masked_fill(values, padding_mask, 0)
-    rewards = torch.masked_fill(rewards, padding_mask, 0)
-    return reverse_loop_gae(rewards, values, gamma, lam)
+    reverse loop (``gae_reference``, what FusedPPOTrainer runs with its GAE plugin off)."""
+    return gae_reference(rewards, values, ~padding_mask, gamma=gamma, lam=lam,
+                         dtype=rewards.dtype)
 
 
 def verl_loop(token_level_rewards, values, response_mask, gamma=GAMMA, lam=LAM):

@@ -120,7 +120,9 @@ class PPOWorker:
         self.optimizers = {role: torch.optim.AdamW(ps, lr=lr[role], eps=1e-5,
                                                    weight_decay=cfg.ppo.weight_decay)
                            for role, ps in params.items()}
-        self.rt_planner = RtPlanner(cfg, self.world)
+        self.rt_planner = RtPlanner(
+            cfg.generation.prompts_per_iteration, self.world, bs_max=cfg.generation.bs_max,
+            kv_capacity_tokens=cfg.generation.kv_capacity_tokens, fixed=cfg.rt_samples(None))
         self._owners: dict[str, Any] | None = None
         self.iteration_index = 0
         self.schedule = None

@@ -70,10 +70,16 @@ def timed_scoring(score: Callable[[Sequence[Any]], Any], log: list[tuple[int, fl
 
 
 class RtPlanner:
-    def __init__(self, cfg: Any, world: int) -> None:
-        self.cfg = cfg
+    """R_t for a batch of ``batch`` samples on ``world`` generation instances of ``bs_max``;
+    ``fixed`` (samples) short-cuts the simulation."""
+
+    def __init__(self, batch: int, world: int, *, bs_max: int,
+                 kv_capacity_tokens: int | None = None, fixed: int | None = None) -> None:
         self.world = world
-        self.batch = cfg.generation.prompts_per_iteration
+        self.batch = batch
+        self.bs_max = bs_max
+        self.kv_capacity_tokens = kv_capacity_tokens
+        self.fixed = fixed
         self.dist: LengthDistribution | None = None
         self.by_batch: dict[int, list[float]] = defaultdict(list)
         self.scoring: list[tuple[int, float]] = []
@@ -105,17 +111,15 @@ class RtPlanner:
             slope, base = 0.0, pts[0][1] if pts else 1e-3
         tok = sum(t for t, _ in self.scoring)
         per_token = (sum(s for _, s in self.scoring) / tok) if tok else base / 16
-        g = self.cfg.generation
         return ClusterModel(
-            instances=self.world, bs_max=g.bs_max, step_base_s=base, step_per_sample_s=slope,
-            step_per_kv_token_s=0.0, prefill_per_token_s=per_token / 3,
-            infer_per_token_s=per_token, kv_capacity_tokens=g.kv_capacity_tokens,
-            prompt_len=self.prompt_len)
+            instances=self.world, bs_max=self.bs_max, step_base_s=base,
+            step_per_sample_s=slope, step_per_kv_token_s=0.0,
+            prefill_per_token_s=per_token / 3, infer_per_token_s=per_token,
+            kv_capacity_tokens=self.kv_capacity_tokens, prompt_len=self.prompt_len)
 
     def _decide(self) -> int:
-        fixed = self.cfg.rt_samples(None)
-        if fixed is not None:
-            return fixed
+        if self.fixed is not None:
+            return self.fixed
         if self.dist is None:
             return max(1, round(FIRST_FRACTION * self.batch))
         plan = plan_migration(self.dist, self.cluster(), self.batch, trials=4, seed=0,

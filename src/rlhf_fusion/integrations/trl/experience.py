@@ -14,6 +14,7 @@ import torch
 from torch import Tensor
 
 from ...triton_kernels import gae as gae_kernel
+from ...triton_kernels import gae_reference
 from .rollout import first_true_indices, truncate_at_stop
 
 INVALID_LOGPROB = 1.0
@@ -51,21 +52,6 @@ class PPOExperience:
     kl: Tensor
     non_score_reward: Tensor
     scores: Tensor            # [B], after the missing-EOS penalty
-
-
-def reverse_loop_gae(rewards: Tensor, values: Tensor, gamma: float, lam: float
-                     ) -> tuple[Tensor, Tensor]:
-    """GAE by the reverse Python loop over ``R`` columns (TRL's reference arithmetic)."""
-    last = 0
-    out = []
-    n = rewards.shape[1]
-    for t in reversed(range(n)):
-        nextv = values[:, t + 1] if t < n - 1 else 0.0
-        delta = rewards[:, t] + gamma * nextv - values[:, t]
-        last = delta + gamma * lam * last
-        out.append(last)
-    adv = torch.stack(out[::-1], dim=1)
-    return adv, adv + values
 
 
 def kernel_gae(rewards: Tensor, values: Tensor, gamma: float, lam: float
@@ -106,8 +92,11 @@ def make_experience(*, responses: Tensor, logprobs: Tensor, ref_logprobs: Tensor
     if whiten_rewards:
         rewards = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False)
         rewards = torch.masked_fill(rewards, padding_mask_p1, 0)
-    advantages, returns = (kernel_gae if use_kernel else reverse_loop_gae)(
-        rewards, values, gamma, lam)
+    if use_kernel:
+        advantages, returns = kernel_gae(rewards, values, gamma, lam)
+    else:  # the reverse loop, TRL's arithmetic op for op
+        advantages, returns = gae_reference(rewards, values, gamma=gamma, lam=lam,
+                                            dtype=rewards.dtype)
     advantages = masked_whiten(advantages, ~padding_mask)
     advantages = torch.masked_fill(advantages, padding_mask, 0)
     return PPOExperience(responses, logprobs, values, advantages, returns, padding_mask,
@@ -150,6 +139,21 @@ def policy_terms(*, logits: Tensor, responses: Tensor, old_logprobs: Tensor,
     with torch.no_grad():
         pg_clipfrac = masked_mean((pg_losses2 > pg_losses).float(), ~padding_mask)
     return PolicyTerms(pg_loss, pg_clipfrac, logprobs_diff, ratio, logits)
+
+
+@torch.no_grad()
+def policy_stats(pol: PolicyTerms, width_scale: float = 1.0) -> dict[str, Tensor]:
+    """What TRL logs of the Actor's micro-batch: ``pg_loss``, ``pg_clipfrac``, ``approxkl``,
+    ``entropy``, ``ratio``. ``width_scale`` is the kept fraction of the response columns:
+    trimmed columns hold diff 0 and ratio 1 exactly, so the means are rescaled to the full
+    width and match stock TRL's."""
+    lg = pol.logits
+    entropy = torch.logsumexp(lg, dim=-1) - torch.sum(torch.softmax(lg, dim=-1) * lg, dim=-1)
+    ratio = pol.ratio.mean()
+    return {"pg_loss": pol.pg_loss, "pg_clipfrac": pol.pg_clipfrac,
+            "approxkl": 0.5 * (pol.logprobs_diff ** 2).mean() * width_scale,
+            "entropy": entropy.mean(),
+            "ratio": ratio * width_scale + (1 - width_scale) if width_scale < 1 else ratio}
 
 
 def value_terms(*, vpred: Tensor, old_values: Tensor, returns: Tensor, padding_mask_p1: Tensor,

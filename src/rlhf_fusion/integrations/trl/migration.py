@@ -23,7 +23,7 @@ from ...rollout.reference import ReferenceBackend
 from ...rollout.types import SampleResult
 from .streaming import FusedRolloutMixin, _Batch, _StreamScorer
 
-__all__ = ["RtChooser", "migrated_rollout"]
+__all__ = ["RtChooser", "migrated_rollout", "migrating_rollout"]
 
 
 class RtChooser:
@@ -41,15 +41,9 @@ class RtChooser:
         if self.fixed is not None:
             return max(1, round(self.fixed * batch))
         if self.planner is None or self.planner.batch != batch:
-            from types import SimpleNamespace
-
             from ...loop.rt import RtPlanner
 
-            cfg = SimpleNamespace(
-                generation=SimpleNamespace(prompts_per_iteration=batch, bs_max=self.bs_max,
-                                           kv_capacity_tokens=None),
-                rt_samples=lambda _: None)
-            self.planner = RtPlanner(cfg, self.world)
+            self.planner = RtPlanner(batch, self.world, bs_max=self.bs_max)
         return self.planner.rt()
 
     def observe(self, results: Any, backend: Any, scoring: Any = (),
@@ -58,6 +52,23 @@ class RtChooser:
         if self.planner is not None:
             self.planner.observe([len(r.token_ids) for r in results], backend, scoring,
                                  prompt_len=prompt_len)
+
+
+def migrating_rollout(chooser: RtChooser, backend: Any, scorer: Any, specs: list[Any],
+                      fusion: Any) -> tuple[Any, int]:
+    """One :func:`run_rollout` with migration at the chooser's R_t, every decode step timed
+    and the outcome fed back to the chooser. Returns ``(RolloutOutput, R_t)``."""
+    from ...loop.rt import TimedBackend
+
+    timed = TimedBackend(backend)
+    rt = chooser.rt(len(specs))
+    out = run_rollout(timed, scorer, specs,
+                      RolloutConfig(fused=True, rt=rt, mechanism=fusion.mechanism,
+                                    report_every=4),
+                      bs_max=fusion.max_batch_size)
+    chooser.observe(out.results, timed, getattr(scorer, "calls", ()),
+                    prompt_len=sum(len(s.prompt_ids) for s in specs) / max(1, len(specs)))
+    return out, rt
 
 
 def migrated_rollout(trainer: FusedRolloutMixin, backend: ReferenceBackend,
@@ -75,19 +86,12 @@ def migrated_rollout(trainer: FusedRolloutMixin, backend: ReferenceBackend,
     if batch is not None:
         whole = _Batch(inputs=gather_object(list(batch.inputs)), offset=0)
         scorer = _StreamScorer(trainer, whole, specs)
-    from ...loop.rt import TimedBackend
-
     fusion = trainer.fusion
     chooser = getattr(t, "_rt_chooser", None)
     if chooser is None:
         chooser = t._rt_chooser = RtChooser(fusion.rt, fusion.max_batch_size,
                                             t.accelerator.num_processes)
-    timed = TimedBackend(backend)
-    out = run_rollout(timed, scorer, specs,  # type: ignore[arg-type]
-                      RolloutConfig(fused=True, rt=chooser.rt(len(specs)),
-                                    mechanism=fusion.mechanism))
-    chooser.observe(out.results, timed,
-                    prompt_len=sum(len(s.prompt_ids) for s in specs) / max(1, len(specs)))
+    out, _ = migrating_rollout(chooser, backend, scorer, specs, fusion)
     mine = range(rank * n, (rank + 1) * n)
     t.fusion_last_rollout = {"moved": list(out.assignment.moved_ids) if out.assignment else [],
                              "seconds": out.stats.get("seconds") if out.stats else None}

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from ...loop.reallocate import broadcast_parameters, full_state, ownership, shapes_of
 from ...runtime.fused import FusedRank, forward_backward, fused_problem, optimizer_step
 from ...runtime.fused import partition_rank as _partition_rank
-from .experience import PPOExperience, policy_terms, value_terms
+from .experience import PPOExperience, policy_stats, policy_terms, value_terms
 from .fusion import FusionConfigError
 from .rollout import PPORollout
 
@@ -80,15 +80,7 @@ def _ppo_loss_fns(args: Any) -> dict[str, Callable[[Tensor, Mapping[str, Tensor]
                            old_logprobs=mb["logprobs"], advantages=mb["advantages"],
                            padding_mask=mb["padding_mask"], temperature=args.temperature,
                            cliprange=args.cliprange)
-        with torch.no_grad():
-            lg = pol.logits
-            entropy = (torch.logsumexp(lg, dim=-1)
-                       - torch.sum(torch.softmax(lg, dim=-1) * lg, dim=-1))
-            scale = float(mb["width_scale"])
-            stats = {"pg_loss": pol.pg_loss, "pg_clipfrac": pol.pg_clipfrac,
-                     "approxkl": 0.5 * (pol.logprobs_diff ** 2).mean() * scale,
-                     "entropy": entropy.mean(),
-                     "ratio": pol.ratio.mean() * scale + (1 - scale)}
+        stats = policy_stats(pol, float(mb["width_scale"]))
         return pol.pg_loss, stats
 
     def critic(values: Tensor, mb: Mapping[str, Tensor]) -> tuple[Tensor, dict[str, Tensor]]:

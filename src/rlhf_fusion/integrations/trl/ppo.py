@@ -36,6 +36,7 @@ from .experience import (
     PPOExperience,
     ValueTerms,
     make_experience,
+    policy_stats,
     policy_terms,
     value_terms,
 )
@@ -472,20 +473,12 @@ class FusedPPOTrainer(_BaseTrainer):
 
     def _migrating_rollout(self, backend: Any, scorer: RowScorer, specs: list[Any],
                            stats: dict[str, Any]) -> list[Any]:
-        from ...loop.rt import TimedBackend
-        from ...rollout.config import RolloutConfig
-        from ...rollout.distributed import run_rollout
-        from .migration import RtChooser
+        from .migration import RtChooser, migrating_rollout
 
         if self._rt_chooser is None:
             self._rt_chooser = RtChooser(self.fusion.rt, self.fusion.max_batch_size,
                                          self.accelerator.num_processes)
-        timed = TimedBackend(backend)
-        rt = self._rt_chooser.rt(len(specs))
-        cfg = RolloutConfig(fused=True, rt=rt, mechanism=self.fusion.mechanism, report_every=4)
-        out = run_rollout(timed, scorer, specs, cfg, bs_max=self.fusion.max_batch_size)
-        self._rt_chooser.observe(out.results, timed, scorer.calls,
-                                 prompt_len=float(np.mean([len(s.prompt_ids) for s in specs])))
+        out, rt = migrating_rollout(self._rt_chooser, backend, scorer, specs, self.fusion)
         stats["fusion/rt"] = rt
         stats["fusion/migrated"] = len(out.assignment.moved_ids) if out.assignment else 0
         return list(out.experiences or [])
@@ -639,19 +632,11 @@ class FusedPPOTrainer(_BaseTrainer):
 
     def _record(self, epoch: int, mini: int, micro: int, pol: PolicyTerms, val: ValueTerms,
                 scale: float) -> None:
-        # Trimmed columns hold diff 0 and ratio 1 exactly: the means are rescaled to the full
-        # width so the logged values match stock TRL.
-        st, at = self._stats, (epoch, mini, micro)
-        lg = pol.logits
-        entropy = torch.logsumexp(lg, dim=-1) - torch.sum(torch.softmax(lg, dim=-1) * lg, dim=-1)
-        st["approxkl"][at] = 0.5 * (pol.logprobs_diff ** 2).mean() * scale
-        st["pg_clipfrac"][at] = pol.pg_clipfrac
-        st["pg_loss"][at] = pol.pg_loss
-        st["vf_loss"][at] = val.vf_loss
-        st["vf_clipfrac"][at] = val.vf_clipfrac
-        st["entropy"][at] = entropy.mean()
-        st["ratio"][at] = (pol.ratio.mean() * scale + (1 - scale) if scale < 1
-                           else pol.ratio.mean())
+        at = (epoch, mini, micro)
+        stats = {**policy_stats(pol, scale), "vf_loss": val.vf_loss,
+                 "vf_clipfrac": val.vf_clipfrac}
+        for k, v in stats.items():
+            self._stats[k][at] = v
 
     # 4. metrics ---------------------------------------------------------------------------------
     @torch.no_grad()
