@@ -94,6 +94,22 @@ def test_layer_of_assigns_every_parameter_once() -> None:
     cls = AutoModelForSequenceClassification.from_config(
         tiny_config("gpt2", vocab_size=96, hidden_size=32, layers=LAYERS, max_positions=64))
     assert layer_of(cls, "critic")["score.weight"] == LAYERS - 1
+    # The pipeline partition keeps exactly the parameters of its stage's layers (pp divides L).
+    import copy
+
+    from rlhf_fusion.runtime.partition import partition_
+
+    for key, (model, role) in models.items():
+        whole = layer_of(model, role)
+        for stage in range(2):
+            part = copy.deepcopy(model)
+            partition_(part, role, stage, 2)
+            kept = {n for n, _ in part.named_parameters()}
+            want = {n for n, k in whole.items() if 2 * stage <= k < 2 * stage + 2}
+            # A tied LM head is kept on the last stage too; we move it once, under wte.
+            assert want <= kept and len(kept - want) <= 1, (key, stage, kept ^ want)
+            # (there, untied from the dropped wte, it is the last layer's like any head)
+            assert layer_of(part, role) == {n: whole.get(n, LAYERS - 1) for n in kept}
     with torch.device("meta"):   # every rank can build the table without weights
         meta = build_causal_lm(tiny_config("llama", vocab_size=96, hidden_size=32,
                                            layers=LAYERS, max_positions=64))
@@ -113,27 +129,25 @@ def test_local_shards_assemble_to_the_model() -> None:
 
 # -- 4 gloo ranks ---------------------------------------------------------------------------------
 def _all_pairs_rank(rank: int, world: int) -> dict:
-    stats: dict = {"pairs": 0, "rows": []}
-    models = _models()
+    rows: list[dict] = []
     t0 = time.perf_counter()
     for cname, cluster in _clusters().items():
-        for mname, (model, role) in models.items():
+        for mname, (model, role) in _models().items():
             table = param_table(model, role)
             layouts = _layouts(cluster, table)
             mine = [local_shard(model, role, lay, rank) for lay in layouts]
             for i, a in enumerate(layouts):
                 for j in range(i, len(layouts)):
                     b = layouts[j]
-                    res = execute(table, a, b, mine[i], cluster, timeout=30.0)
-                    _same(res.shard, mine[j], f"{cname} {mname} {a} -> {b}")
-                    back = execute(table, b, a, res.shard, cluster, timeout=30.0)
-                    _same(back.shard, mine[i], f"{cname} {mname} {b} -> {a}")
-                    stats["pairs"] += 1
-                    stats["rows"].append((cname, mname, i, j, _name(a), _name(b), res.bytes,
-                                          res.min_bytes, res.sent_bytes, back.bytes,
-                                          back.min_bytes, back.sent_bytes))
-    stats["seconds"] = time.perf_counter() - t0
-    return stats
+                    ab = execute(table, a, b, mine[i], cluster, timeout=30.0)
+                    _same(ab.shard, mine[j], f"{cname} {mname} {a} -> {b}")
+                    ba = execute(table, b, a, ab.shard, cluster, timeout=30.0)
+                    _same(ba.shard, mine[i], f"{cname} {mname} {b} -> {a}")
+                    links = {t.link for r in (ab, ba) for t in r.plan.transfers}
+                    rows.append({"pair": (cname, mname, _name(a), _name(b)), "links": links,
+                                 "ab": (ab.bytes, ab.min_bytes, ab.sent_bytes, ab.recv_bytes),
+                                 "ba": (ba.bytes, ba.min_bytes, ba.sent_bytes, ba.recv_bytes)})
+    return {"rows": rows, "seconds": time.perf_counter() - t0}
 
 
 def _name(lay: Layout) -> str:
@@ -154,16 +168,49 @@ def test_every_layout_pair_round_trips_bit_exact() -> None:
     from rlhf_fusion.launch import run_ranks
 
     results = run_ranks(_all_pairs_rank, 4, timeout=240.0, collective_timeout=60.0)
-    rows = [r.value["rows"] for r in results]
-    assert all(len(x) == len(rows[0]) for x in rows)
-    for k, row in enumerate(rows[0]):
-        *_, ab, ab_min, _s, ba, ba_min, _s2 = row
-        assert ab == ab_min and ba == ba_min, row
-        # Every byte counted is a byte some rank actually sent.
-        assert sum(x[k][8] for x in rows) == ab, row
-        assert sum(x[k][11] for x in rows) == ba, row
+    per_rank = [r.value["rows"] for r in results]
+    rows = per_rank[0]
     # 1x4: 4 + 2 * 3 + 6 = 16 layouts (136 pairs with i <= j); 2x2: tp <= 2, 4 + 2 * 3 + 5 = 15
-    # (120 pairs); three models.
-    assert results[0].value["pairs"] == 3 * (136 + 120)
-    moved = [row for row in rows[0] if row[6]]
-    assert moved and all(row[6] > 0 for row in moved)
+    # (120 pairs); three models. Each pair ran both ways.
+    assert len(rows) == 3 * (136 + 120)
+    assert all(len(x) == len(rows) for x in per_rank)
+    for k, row in enumerate(rows):
+        for way in ("ab", "ba"):
+            total, least, _, _ = row[way]
+            assert total == least, row
+            # Every byte counted is a byte some rank sent and another received.
+            assert sum(x[k][way][2] for x in per_rank) == total, row
+            assert sum(x[k][way][3] for x in per_rank) == total, row
+    assert any(row["ab"][0] > 0 for row in rows)
+    # Two nodes: some pieces had a holder on the destination's node (NVLink), some did not (IB).
+    two_node = set().union(*(row["links"] for row in rows if row["pair"][0] == "2x2"))
+    assert two_node == {"nvlink", "ib"}
+    assert set().union(*(row["links"] for row in rows if row["pair"][0] == "1x4")) == {"nvlink"}
+
+
+def _stalled_peer_rank(rank: int, world: int) -> str:
+    """Rank 1 waits for a piece rank 0 never sends (rank 0 skips the call)."""
+    model, role = _models()["llama"]
+    table = param_table(model, role)
+    cluster = Cluster.uniform(1, 2)
+    from rlhf_fusion.placement import ParallelStrategy, make_mesh
+
+    a = Layout(make_mesh(cluster, "main", 0, 1, 0, 1), ParallelStrategy(1, 1, 1))
+    b = Layout(make_mesh(cluster, "main", 0, 1, 1, 1), ParallelStrategy(1, 1, 1))
+    if rank == 0:
+        time.sleep(6.0)
+        return "skipped"
+    execute(table, a, b, None, cluster, timeout=1.0)
+    return "no timeout"
+
+
+def test_stalled_peer_times_out_naming_the_transfer() -> None:
+    from rlhf_fusion.launch import run_ranks
+
+    t0 = time.perf_counter()
+    results = run_ranks(_stalled_peer_rank, 2, timeout=60.0, collective_timeout=60.0,
+                        raise_on_error=False, wait_for=[1])
+    bad = results[1]
+    assert not bad.ok and bad.error_type == "PipelineTimeoutError", bad
+    assert "receiving layers [0, 4) columns [0, 1) from rank 0 to rank 1" in bad.error
+    assert bad.seconds < 30.0, time.perf_counter() - t0

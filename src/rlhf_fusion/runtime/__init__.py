@@ -51,6 +51,7 @@ from .ppo import (
     values_from_head,
 )
 from .profile import SavedTensorMeter, StageProfile, problem_from_profiles, profile_runner
+from .reallocation import ParamTable, ReallocResult, local_shard, param_table
 
 __all__ = [
     "ROLES",
@@ -67,7 +68,9 @@ __all__ = [
     "PipelinePlan",
     "PipelineStage",
     "PipelineTimeoutError",
+    "ParamTable",
     "PlanError",
+    "ReallocResult",
     "Resident",
     "SavedTensorMeter",
     "StageProfile",
@@ -85,11 +88,13 @@ __all__ = [
     "fused_problem",
     "kl_estimate",
     "kl_penalized_rewards",
+    "local_shard",
     "logprobs_from_logits",
     "masked_mean",
     "model_outputs",
     "num_layers",
     "optimizer_step",
+    "param_table",
     "partition_",
     "partition_rank",
     "pipelined_step",

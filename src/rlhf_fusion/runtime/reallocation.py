@@ -75,7 +75,9 @@ def layer_of(model: nn.Module, role: str) -> dict[str, int]:
     """Parameter name -> layer index in ``[0, L)``, every tensor once (tied ones under their
     first name), in ``named_parameters`` order.
 
-    ``model`` may be on the meta device (only names and order are read). ``role`` is
+    ``model`` may be on the meta device (only names and order are read); build the map (and
+    :func:`param_table`) from the whole model, not a pipeline stage: on a stage that dropped the
+    embedding a tied LM head shows up under its own name (layer ``L - 1``). ``role`` is
     ``"actor"`` or ``"critic"`` (:class:`~rlhf_fusion.runtime.partition.CriticModel` or a
     ``*ForSequenceClassification``).
     """
@@ -138,9 +140,15 @@ def shard(state: Mapping[str, Tensor], layer_of: Mapping[str, int],
 # -- what every rank knows about the model ---------------------------------------------------------
 @dataclass(frozen=True)
 class ParamTable:
-    """Names (transfer order), layer, shape and dtype of every moved parameter of a model, and
-    its decoder layer count: all :func:`execute` needs besides the local shard. Build it with
-    :func:`param_table` from the model or from a meta-device copy of it."""
+    """What every rank knows about a model without its weights: all :func:`execute` needs
+    besides the local shard. Build it with :func:`param_table` from the model or from a
+    meta-device copy of it (``with torch.device("meta"): ...``).
+
+    ``names``: moved parameters in ``named_parameters`` order (the order of every transfer
+    buffer); ``layer``: name -> layer in ``[0, num_layers)``; ``shapes`` / ``dtypes``: the
+    whole tensor's (a shard of column ``[c0, c1)`` is ``[floor(c1 n) - floor(c0 n), *shape[1:]]``
+    with ``n = shape[0]``); ``hidden``: only for the planner's :class:`ModelShape`.
+    """
 
     names: tuple[str, ...]
     layer: dict[str, int]
@@ -148,9 +156,6 @@ class ParamTable:
     dtypes: dict[str, torch.dtype]
     num_layers: int
     hidden: int = 1
-
-    def layer_map(self) -> dict[str, int]:
-        return {n: self.layer[n] for n in self.names}
 
     def nbytes(self, name: str, rows: int) -> int:
         shape = self.shapes[name]
@@ -180,7 +185,8 @@ def param_table(model: nn.Module, role: str) -> ParamTable:
 
 
 def realloc_model_shape(table: ParamTable) -> ModelShape:
-    """The planner's :class:`ModelShape` for this model: its real parameter count and layers.
+    """The planner's :class:`ModelShape` for this model: its real parameter count and layers
+    (its bytes assume bf16 and spread embeddings over layers; :func:`execute` counts real ones).
 
     Which rank sends which rectangle depends only on ``layers`` (the rectangles) and on byte
     loads that are all proportional to ``params``, so any shape with ``L`` layers gives the same
@@ -389,6 +395,9 @@ def execute(
             posted.append((t, buf))
             received += nbytes
     if ops:
+        # Gloo honours the per-wait timeout; NCCL's wait only orders the current stream after
+        # the communication (unpacking below stays correct) and a stall surfaces through the
+        # process group's own timeout / watchdog.
         works = dist.batch_isend_irecv(ops)
         deadline = time.monotonic() + timeout
         for w, op, (t, _) in zip(works, ops, posted, strict=True):
