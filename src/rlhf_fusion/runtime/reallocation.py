@@ -268,7 +268,8 @@ def assemble(table: ParamTable, layout: Layout, shards: Mapping[int, Mapping[str
 class ReallocResult:
     """What :func:`execute` did. ``bytes`` and ``min_bytes`` are global (every rank computes
     the same figures from the plan on real tensor sizes); ``sent_bytes`` / ``recv_bytes`` are
-    this rank's buffers as actually posted."""
+    this rank's buffers as actually posted; ``transfers`` counts the plan's transfers this rank
+    sends or receives."""
 
     shard: dict[str, Tensor] | None
     bytes: int
@@ -310,8 +311,9 @@ def execute(
 ) -> ReallocResult:
     """Reallocate a model from layout ``src`` to ``dst``; returns this rank's new shard.
 
-    Every rank of the process group calls this with the same ``table``, layouts and cluster
-    (ranks of the layouts are global ranks); ``local`` is this rank's shard in ``src``
+    Every rank of either mesh calls this with the same ``table``, layouts and cluster (ranks of
+    the layouts are global ranks; a rank in neither mesh may call it too, it moves nothing);
+    ``local`` is this rank's shard in ``src``
     (``{name: rows of the whole tensor}``, as :func:`local_shard` / :func:`shard` build it) or
     ``None`` when the rank is not in the source mesh. The result's ``shard`` is this rank's
     shard in ``dst`` (new tensors on ``device``; default: the source shard's device, else CPU),
