@@ -11,11 +11,13 @@ from .config import (
     GenerationConfig,
     LoopConfigError,
     ModelsConfig,
+    PlacementSection,
     PPOLoopConfig,
     RLHFConfig,
 )
 from .iteration import IterationResult, PPOWorker
 from .models import CharTokenizer, Models, build_models, vowel_fraction
+from .placed import PlacedPPOWorker, make_worker
 from .run import load_prompts, train
 
 __all__ = [
@@ -28,9 +30,12 @@ __all__ = [
     "ModelsConfig",
     "PPOLoopConfig",
     "PPOWorker",
+    "PlacedPPOWorker",
+    "PlacementSection",
     "RLHFConfig",
     "build_models",
     "load_prompts",
+    "make_worker",
     "train",
     "vowel_fraction",
 ]

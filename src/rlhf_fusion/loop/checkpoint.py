@@ -15,13 +15,6 @@ from typing import Any
 import torch
 
 from ..rollout.planning.lengths import LengthDistribution
-from ..runtime.fused import ROLES
-
-
-def _modules(worker: Any) -> dict[str, torch.nn.Module]:
-    if worker.fused is None:
-        return {role: getattr(worker.models, role) for role in ROLES}
-    return {role: st.module for role, st in worker.fused.stages.items()}
 
 
 def worker_state(worker: Any, history: list[dict[str, float]]) -> dict[str, Any]:
@@ -31,7 +24,7 @@ def worker_state(worker: Any, history: list[dict[str, float]]) -> dict[str, Any]
         "iteration": worker.iteration_index,
         "world_size": worker.world,
         "rank": worker.rank,
-        "models": {r: m.state_dict() for r, m in _modules(worker).items()},
+        "models": {r: m.state_dict() for r, m in worker.training_modules().items()},
         "optimizers": {r: o.state_dict() for r, o in worker.optimizers.items()},
         # Plain lists only: Lightning loads checkpoints with torch.load(weights_only=True).
         "rt_planner": {"dist": None if planner.dist is None else
@@ -59,7 +52,7 @@ def load_worker_state(worker: Any, ck: dict[str, Any], where: str = "checkpoint"
         raise ValueError(f"{where}: saved by rank {ck['rank']} of {ck['world_size']}; "
                          f"this is rank {worker.rank} of {worker.world}: resume with the same "
                          "world_size")
-    for role, module in _modules(worker).items():
+    for role, module in worker.training_modules().items():
         module.load_state_dict(ck["models"][role])
     for role, opt in worker.optimizers.items():
         opt.load_state_dict(ck["optimizers"][role])

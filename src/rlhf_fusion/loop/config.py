@@ -109,11 +109,30 @@ class FusionConfig:
 
 
 @dataclass
+class PlacementSection:
+    """Where each model function call runs (``docs/placement.md``): a FlexRLHF preset
+    (``colocated``, ``interleaved``, ``interleaved2``, ``disaggregated``) or a plan file written
+    by ``rlhf-fusion plan``. Neither (the default): every model on every rank, Actor and Critic
+    training on the fused pipeline. Under a placement ``ppo.micro_batches`` counts the
+    micro-batches of a whole mini-batch, shared by the data-parallel ranks of each training
+    call, and the pipeline (if any) comes from the plan."""
+
+    preset: str | None = None
+    plan: str | None = None
+    inference_fraction: float = 0.5
+
+    @property
+    def given(self) -> bool:
+        return self.preset is not None or self.plan is not None
+
+
+@dataclass
 class RLHFConfig:
     models: ModelsConfig = field(default_factory=ModelsConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     ppo: PPOLoopConfig = field(default_factory=PPOLoopConfig)
     fusion: FusionConfig = field(default_factory=FusionConfig)
+    placement: PlacementSection = field(default_factory=PlacementSection)
     world_size: int = 2
     iterations: int = 10
     prompts: str | None = None  # a text file (one prompt a line) or JSONL with "prompt"
@@ -122,7 +141,8 @@ class RLHFConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RLHFConfig:
         sections = {"models": ModelsConfig, "generation": GenerationConfig,
-                    "ppo": PPOLoopConfig, "fusion": FusionConfig}
+                    "ppo": PPOLoopConfig, "fusion": FusionConfig,
+                    "placement": PlacementSection}
         top = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - top)
         if unknown:
@@ -150,6 +170,9 @@ class RLHFConfig:
         cfg = cls.from_dict(data)
         if cfg.prompts is not None and not Path(cfg.prompts).is_absolute():
             cfg.prompts = str((p.parent / cfg.prompts).resolve())
+        plan = cfg.placement.plan
+        if plan is not None and not Path(plan).is_absolute():
+            cfg.placement.plan = str((p.parent / plan).resolve())
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
@@ -199,6 +222,8 @@ class RLHFConfig:
                 f"generation.prompts_per_iteration={batch}; use a divisor of {batch}")
         mini = batch // p.num_mini_batches
         replicas = self.world_size // self.stages() if self.world_size > 1 else 1
+        if self.placement.given:
+            replicas = 1   # micro_batches counts a whole mini-batch (checked per call below)
         if mini % (p.micro_batches * replicas):
             raise LoopConfigError(
                 f"ppo.micro_batches: a mini-batch of {mini} samples cannot be split into "
@@ -233,6 +258,36 @@ class RLHFConfig:
                     f"Critic copies; use a multiple of {n // cs}")
         if f.timeout_s <= 0:
             raise LoopConfigError("fusion.timeout_s: must be > 0 seconds")
+        if self.placement.given:
+            self.loop_placement()
+
+    def loop_placement(self) -> Any:
+        """The resolved :class:`~rlhf_fusion.loop.placement.LoopPlacement` (``None``: the
+        default co-located loop), checked against the rest of the config."""
+        from .placement import PlacementConfigError, resolve
+
+        pl = self.placement
+        if not pl.given:
+            return None
+        if self.fusion.pipeline_stages is not None or self.fusion.critic_stages is not None:
+            raise LoopConfigError(
+                "fusion.pipeline_stages / critic_stages: under a placement the training "
+                "layout comes from the placement (a plan's pp); remove them")
+        if self.generation.backend != "reference":
+            raise LoopConfigError("placement: runs with generation.backend: reference only")
+        try:
+            lp = resolve(pl.preset, pl.plan, self.world_size, pl.inference_fraction)
+        except PlacementConfigError as exc:
+            raise LoopConfigError(str(exc)) from exc
+        m = self.ppo.micro_batches
+        for call in ("actor_train", "critic_train"):
+            dp = lp.calls[call].dp
+            if m % dp:
+                raise LoopConfigError(
+                    f"ppo.micro_batches: {m} micro-batches per mini-batch cannot be shared by "
+                    f"the {dp} data-parallel ranks of {call} in placement {lp.name}; use a "
+                    f"multiple of {dp}")
+        return lp
 
     def stages(self) -> int:
         return self.fusion.pipeline_stages or self.world_size

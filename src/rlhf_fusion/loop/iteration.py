@@ -92,18 +92,30 @@ class PPOWorker:
             raise ValueError(f"world_size: the config says {cfg.world_size}, the process group "
                              f"has {self.world} ranks")
         self.models = models if models is not None else build_models(cfg.models)
+        self.tokenizer = self.models.tokenizer
+        self._scoring: list[tuple[int, float]] = []
+        self.ppo = ppo_config(cfg)
+        self.fused = None
+        self._shapes = {role: shapes_of(getattr(self.models, role)) for role in ROLES}
+        self._setup_rollout()
+        self._setup_training()
+        self.rt_planner = self._rt_planner()
+        self._owners: dict[str, Any] | None = None
+        self.iteration_index = 0
+        self.schedule = None
+
+    # -- set-up (a placed worker overrides these) ------------------------------------------------
+    def _setup_rollout(self) -> None:
+        """Whole copies for generation and inference; training owns the originals."""
         m = self.models
-        self.tokenizer = m.tokenizer
-        # Whole copies for generation and inference; training owns the originals.
         self.backend = TimedBackend(self._generation_backend())
         self.inference = InferenceModels(m.ref, self._reward(), copy.deepcopy(m.critic),
                                          micro_batch=4, device=self.device,
                                          pad_id=self.tokenizer.pad_token_id)
-        self._scoring: list[tuple[int, float]] = []
         self.inference.score = timed_scoring(self.inference.score, self._scoring)
-        self.ppo = ppo_config(cfg)
-        self.fused = None
-        self._shapes = {role: shapes_of(getattr(m, role)) for role in ROLES}
+
+    def _setup_training(self) -> None:
+        cfg, m = self.cfg, self.models
         if self.world > 1:
             n = cfg.stages()
             problem = fused_problem(stage_groups=n, micro_batches=cfg.ppo.micro_batches,
@@ -115,17 +127,25 @@ class PPOWorker:
                       for role in self.fused.stages}
         else:
             params = {role: list(getattr(m, role).parameters()) for role in ROLES}
-        lr = {"actor": cfg.ppo.learning_rate,
-              "critic": cfg.ppo.critic_learning_rate or cfg.ppo.learning_rate}
-        self.optimizers = {role: torch.optim.AdamW(ps, lr=lr[role], eps=1e-5,
-                                                   weight_decay=cfg.ppo.weight_decay)
-                           for role, ps in params.items()}
-        self.rt_planner = RtPlanner(
-            cfg.generation.prompts_per_iteration, self.world, bs_max=cfg.generation.bs_max,
-            kv_capacity_tokens=cfg.generation.kv_capacity_tokens, fixed=cfg.rt_samples(None))
-        self._owners: dict[str, Any] | None = None
-        self.iteration_index = 0
-        self.schedule = None
+        self.optimizers = self._optimizers(params)
+
+    def _optimizers(self, params: dict[str, list[torch.nn.Parameter]]
+                    ) -> dict[str, torch.optim.Optimizer]:
+        p = self.cfg.ppo
+        lr = {"actor": p.learning_rate, "critic": p.critic_learning_rate or p.learning_rate}
+        return {role: torch.optim.AdamW(ps, lr=lr[role], eps=1e-5, weight_decay=p.weight_decay)
+                for role, ps in params.items()}
+
+    def _rt_planner(self) -> RtPlanner:
+        g = self.cfg.generation
+        return RtPlanner(g.prompts_per_iteration, self.world, bs_max=g.bs_max,
+                         kv_capacity_tokens=g.kv_capacity_tokens, fixed=self.cfg.rt_samples(None))
+
+    def training_modules(self) -> dict[str, torch.nn.Module]:
+        """The modules whose parameters this rank trains (what its checkpoint holds)."""
+        if self.fused is None:
+            return {role: getattr(self.models, role) for role in ROLES}
+        return {role: st.module for role, st in self.fused.stages.items()}
 
     # -- pieces ----------------------------------------------------------------------------------
     def _generation_backend(self) -> Any:
@@ -161,28 +181,37 @@ class PPOWorker:
 
     def sync_weights(self) -> dict[str, float]:
         """Training layout -> generation layout, for the Actor (backend) and the Critic."""
-        # A vLLM engine holds its own copy: it takes the parameters by name.
-        targets = {"actor": getattr(self.backend, "model", None),
-                   "critic": self.inference.critic}
         if self.fused is None:
-            for role, dst in targets.items():
-                self._load(role, dst, dict(getattr(self.models, role).named_parameters()))
+            for role in ROLES:
+                self._load(role, self._sync_dst(role),
+                           dict(getattr(self.models, role).named_parameters()))
             return {"realloc/bytes": 0.0, "realloc/min_bytes": 0.0}
         stage_params = {r: dict(s.module.named_parameters()) for r, s in self.fused.stages.items()}
         if self._owners is None:
             canonical = {r: self._canonical(r) for r in stage_params}
             self._owners = ownership(stage_params, canonical)
         moved = minimum = 0
-        for role, dst in targets.items():
+        for role in ROLES:
             own = self._owners[role]
             params, got = broadcast_parameters(own, stage_params.get(role, {}),
                                                self._shapes[role], self.device)
             moved += got
             minimum += minimum_bytes(own, self._shapes[role], self.world)
-            self._load(role, dst, params)
+            if self._receives(role):
+                self._load(role, self._sync_dst(role), params)
         totals = torch.tensor([float(moved)], dtype=torch.float64)
         dist.all_reduce(totals)
         return {"realloc/bytes": float(totals[0]), "realloc/min_bytes": float(minimum)}
+
+    def _sync_dst(self, role: str) -> torch.nn.Module | None:
+        """The copy ``role``'s weights go to (a vLLM engine holds its own: ``None``)."""
+        if role == "actor":
+            return getattr(self.backend, "model", None)
+        return self.inference.critic
+
+    def _receives(self, role: str) -> bool:
+        """Whether this rank holds a generation/inference copy of ``role``."""
+        return True
 
     def _load(self, role: str, dst: torch.nn.Module | None, params: dict[str, Tensor]) -> None:
         # The Actor's copy belongs to the generation backend: weights go in through its API.

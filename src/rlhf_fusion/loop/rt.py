@@ -71,11 +71,14 @@ def timed_scoring(score: Callable[[Sequence[Any]], Any], log: list[tuple[int, fl
 
 class RtPlanner:
     """R_t for a batch of ``batch`` samples on ``world`` generation instances of ``bs_max``;
-    ``fixed`` (samples) short-cuts the simulation."""
+    ``fixed`` (samples) short-cuts the simulation. ``src``: the rank that decides (a
+    generation instance, whose decode steps the planner has timed)."""
 
     def __init__(self, batch: int, world: int, *, bs_max: int,
-                 kv_capacity_tokens: int | None = None, fixed: int | None = None) -> None:
+                 kv_capacity_tokens: int | None = None, fixed: int | None = None,
+                 src: int = 0) -> None:
         self.world = world
+        self.src = src
         self.batch = batch
         self.bs_max = bs_max
         self.kv_capacity_tokens = kv_capacity_tokens
@@ -132,10 +135,11 @@ class RtPlanner:
         return best
 
     def rt(self) -> int:
-        """R_t for the next rollout; collective when distributed (rank 0 decides)."""
-        box = [self._decide() if not dist.is_initialized() or dist.get_rank() == 0 else None]
+        """R_t for the next rollout; collective when distributed (rank ``src`` decides)."""
+        box = [self._decide() if not dist.is_initialized() or dist.get_rank() == self.src
+               else None]
         if dist.is_initialized():
-            dist.broadcast_object_list(box, src=0)
+            dist.broadcast_object_list(box, src=self.src)
         self.current = int(box[0])
         self.history.append(self.current)
         return self.current

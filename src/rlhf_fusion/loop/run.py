@@ -101,10 +101,10 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
               stop_after: int | None, timeline_serial: bool,
               keep_experiences: bool = False) -> dict[str, Any]:
     from .checkpoint import load_worker, load_worker_state, save_worker, worker_state
-    from .iteration import PPOWorker
+    from .placed import make_worker
 
     torch.manual_seed(cfg.models.seed)
-    worker = PPOWorker(cfg)
+    worker = make_worker(cfg)
     start = 0
     history: list[dict[str, float]] = []
     if resume and out_dir is not None:

@@ -121,7 +121,20 @@ def _disaggregated_meshes(cluster: Cluster, fraction: float) -> tuple[DeviceMesh
 
 def placement_meshes(problem: PlacementProblem, placement: Placement) -> dict[str, DeviceMesh]:
     """Call -> mesh."""
-    cl = problem.cluster
+    return cluster_meshes(problem.cluster, placement)
+
+
+def preset_placement(name: str, inference_fraction: float = 0.5) -> Placement:
+    """The :class:`Placement` of a preset name."""
+    if name == "disaggregated":
+        return Placement(disaggregated=True, inference_fraction=inference_fraction, name=name)
+    if name in PRESETS:
+        return Placement(ratios=PRESETS[name], name=name)
+    raise PlacementError(f"unknown placement preset {name!r}; use one of {list(PRESET_NAMES)}")
+
+
+def cluster_meshes(cl: Cluster, placement: Placement) -> dict[str, DeviceMesh]:
+    """Call -> mesh on a cluster (no model sizes needed)."""
     if placement.disaggregated:
         train, infer = _disaggregated_meshes(cl, placement.inference_fraction)
         return {c: (train if c.endswith("_train") else infer) for c in CALLS}
@@ -192,12 +205,7 @@ def fit_strategies(problem: PlacementProblem, meshes: dict[str, DeviceMesh], nam
 def preset_plan(problem: PlacementProblem, name: str, *, estimator: Estimator | None = None,
                 inference_fraction: float = 0.5) -> ExecutionPlan:
     """One of ``colocated``, ``interleaved``, ``interleaved2``, ``disaggregated``."""
-    if name == "disaggregated":
-        placement = Placement(disaggregated=True, inference_fraction=inference_fraction, name=name)
-    elif name in PRESETS:
-        placement = Placement(ratios=PRESETS[name], name=name)
-    else:
-        raise PlacementError(f"unknown placement preset {name!r}; use one of {list(PRESET_NAMES)}")
+    placement = preset_placement(name, inference_fraction)
     offload = ("ref", "reward") if problem.offload_frozen else ()
     return fit_strategies(problem, placement_meshes(problem, placement), name, estimator, offload)
 

@@ -77,16 +77,24 @@ _run_counter = 0
 class _Rank:
     """Per-call state and the messaging helpers, each bounded by the timeout."""
 
-    def __init__(self, config: RolloutConfig, store: Any, fault: FaultHook) -> None:
+    def __init__(self, config: RolloutConfig, store: Any, fault: FaultHook,
+                 group: Any = None) -> None:
         global _run_counter
         _run_counter += 1
-        self.rank = dist.get_rank()
-        self.world = dist.get_world_size()
+        # Ranks below are ranks of ``group`` (the generation instances); point-to-point
+        # messages go to their global ranks.
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world = dist.get_world_size(group)
+        self.members = ([dist.get_global_rank(group, i) for i in range(self.world)]
+                        if group is not None else list(range(self.world)))
         self.cfg = config
         self.fault = fault
         self.timeout = timedelta(seconds=config.timeout_s)
         self.store = store
-        self.prefix = f"rlhf_fusion/rollout/{_run_counter}/"
+        # Every member counts its own calls; the first member's global rank keeps two disjoint
+        # groups that roll out at once apart in the shared store.
+        self.prefix = f"rlhf_fusion/rollout/{self.members[0]}/{_run_counter}/"
         self._keys: set[str] = set()
 
     def key(self, name: str) -> str:
@@ -121,7 +129,7 @@ class _Rank:
     def gather(self, obj: Any, what: str) -> list[Any]:
         out: list[Any] = [None] * self.world
         try:
-            dist.all_gather_object(out, obj)
+            dist.all_gather_object(out, obj, group=self.group)
         except Exception as exc:
             raise CoordinatorTimeout(
                 f"rank {self.rank}: all-gather of {what} failed within the "
@@ -143,13 +151,15 @@ def run_rollout(
     *,
     bs_max: int | None = None,
     store: Any = None,
+    group: Any = None,
     _faults: FaultHook | None = None,
 ) -> RolloutOutput:
-    """One generation + inference stage on every rank of the default process group.
+    """One generation + inference stage on every rank of ``group`` (default: every rank).
 
     Every rank passes the same ``specs`` and ``config``; each generates the samples with
     ``sample_id % world_size == rank`` first. Returns the whole batch, sorted, on every rank.
-    ``store`` defaults to the default group's c10d store. ``_faults`` is for fault-injection
+    Only the ranks of ``group`` call it; ranks in the text and the stats are ranks of
+    ``group``. ``store`` defaults to the default group's c10d store. ``_faults`` is for fault-injection
     tests only (see :data:`FaultHook`).
     """
     if not dist.is_initialized():
@@ -158,8 +168,9 @@ def run_rollout(
             "starts local ranks)")
     bs_max = bs_max if bs_max is not None else getattr(backend, "max_batch_size", 1 << 30)
     # Identical inputs on every rank: a bad configuration fails everywhere, before any wait.
-    m = check_rollout(specs, config, dist.get_world_size(), bs_max)
-    r = _Rank(config, store if store is not None else _default_store(), _faults or _no_fault)
+    m = check_rollout(specs, config, dist.get_world_size(group), bs_max)
+    r = _Rank(config, store if store is not None else _default_store(), _faults or _no_fault,
+              group)
     ids = [s.sample_id for s in specs]
     rt = config.resolve_rt(len(specs)) if config.fused else None
     kv_ok = backend.capabilities.kv_export and backend.capabilities.kv_import
@@ -279,29 +290,29 @@ def _migrate(r: _Rank, backend: GenerationBackend, plan: MigrationAssignment,
         hdr = header(0, len(tickets), ints, floats)
         for off, t in enumerate((hdr, ints, floats)):
             if t.numel():
-                sends.append((dist.isend(t, dst, tag=_TAG_TICKETS + off), t))
+                sends.append((dist.isend(t, r.members[dst], tag=_TAG_TICKETS + off), t))
     if r.rank in plan.destinations:
         for src in plan.incoming(r.rank):
             hdr = torch.zeros(4, dtype=torch.int64)
-            r.wait(dist.irecv(hdr, src, tag=_TAG_TICKETS), "receiving migrated samples",
+            r.wait(dist.irecv(hdr, r.members[src], tag=_TAG_TICKETS), "receiving migrated samples",
                    src, MigrationError)
             r.fault("tickets_received", src)
             _, n, n_int, n_flt = hdr.tolist()
             ints = torch.zeros(n_int, dtype=torch.int64)
             floats = torch.zeros(n_flt, dtype=torch.float64)
             if n_int:
-                r.wait(dist.irecv(ints, src, tag=_TAG_TICKETS + 1), "receiving tickets", src,
+                r.wait(dist.irecv(ints, r.members[src], tag=_TAG_TICKETS + 1), "receiving tickets", src,
                        MigrationError)
             if n_flt:
-                r.wait(dist.irecv(floats, src, tag=_TAG_TICKETS + 2), "receiving KV", src,
+                r.wait(dist.irecv(floats, r.members[src], tag=_TAG_TICKETS + 2), "receiving KV", src,
                        MigrationError)
             tickets = unpack_tickets(n, ints, floats)
             backend.import_samples(tickets)
             ack = torch.tensor([len(tickets)], dtype=torch.int64)
-            sends.append((dist.isend(ack, src, tag=_TAG_ACK), ack))
+            sends.append((dist.isend(ack, r.members[src], tag=_TAG_ACK), ack))
     for dst, ids in sorted(mine.items()):
         ack = torch.zeros(1, dtype=torch.int64)
-        r.wait(dist.irecv(ack, dst, tag=_TAG_ACK),
+        r.wait(dist.irecv(ack, r.members[dst], tag=_TAG_ACK),
                f"waiting for destination rank {dst} to acknowledge {len(ids)} migrated samples",
                dst, MigrationError)
     for work, _ in sends:

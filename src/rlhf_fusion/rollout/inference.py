@@ -34,31 +34,45 @@ class InferenceModels:
     """Ref (causal LM), Reward and Critic (value models) forward on finished samples.
 
     ``reward`` is a value model (its output at the last token is the score) or a function
-    ``f(prompt_ids, response_ids) -> float`` (a rule-based reward).
+    ``f(prompt_ids, response_ids) -> float`` (a rule-based reward). Under a placement a rank
+    may hold only some of the three: pass ``None`` for the others and use :meth:`score_parts`,
+    whose partial results :func:`merge_parts` joins into :class:`Experience`.
     """
 
-    def __init__(self, ref: nn.Module,
-                 reward: nn.Module | Callable[[Sequence[int], Sequence[int]], float],
-                 critic: nn.Module, *,
+    def __init__(self, ref: nn.Module | None,
+                 reward: nn.Module | Callable[[Sequence[int], Sequence[int]], float] | None,
+                 critic: nn.Module | None, *,
                  micro_batch: int = 8, dtype: torch.dtype = torch.float64,
                  device: torch.device | str = "cpu", pad_id: int = 0) -> None:
         self.device = torch.device(device)
-        self.ref = ref.to(device=self.device, dtype=dtype).eval()
+        self.ref = ref.to(device=self.device, dtype=dtype).eval() if ref is not None else None
         self.reward = (reward.to(device=self.device, dtype=dtype).eval()
                        if isinstance(reward, nn.Module) else reward)
-        self.critic = critic.to(device=self.device, dtype=dtype).eval()
+        self.critic = (critic.to(device=self.device, dtype=dtype).eval()
+                       if critic is not None else None)
         self.micro_batch = micro_batch
         self.pad_id = pad_id
         self.samples_scored = 0
 
     def score(self, samples: Sequence[SampleResult]) -> list[Experience]:
         """Experience for ``samples`` (any number; run in micro-batches), in the given order."""
-        out: list[Experience] = []
+        missing = [n for n in ("ref", "reward", "critic") if getattr(self, n) is None]
+        if missing:
+            raise ValueError(f"score needs all three models; this rank lacks {missing} "
+                             "(use score_parts and merge_parts under a placement)")
+        parts = self.score_parts(samples)
+        return [merge_parts(s, [p]) for s, p in zip(samples, parts)]
+
+    def score_parts(self, samples: Sequence[SampleResult]) -> list[dict[str, object]]:
+        """Per sample, the outputs of the models this rank holds: ``ref_logprobs`` and
+        ``values`` (float64, one per response token), ``reward`` (float)."""
+        out: list[dict[str, object]] = []
         for i in range(0, len(samples), self.micro_batch):
             out.extend(self._score_batch(samples[i: i + self.micro_batch]))
+        self.samples_scored += len(samples)
         return out
 
-    def _score_batch(self, samples: Sequence[SampleResult]) -> list[Experience]:
+    def _score_batch(self, samples: Sequence[SampleResult]) -> list[dict[str, object]]:
         seqs = [list(s.prompt_ids) + list(s.token_ids) for s in samples]
         width = max(len(x) for x in seqs)
         ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
@@ -67,25 +81,45 @@ class InferenceModels:
             ids[i, : len(x)] = torch.as_tensor(x)
             mask[i, : len(x)] = 1
         ids, mask = ids.to(self.device), mask.to(self.device)
+        reward_model = isinstance(self.reward, nn.Module)
         with torch.no_grad():
-            logits = self.ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
-            rewards = self.reward(ids, mask) if isinstance(self.reward, nn.Module) else None
-            values = self.critic(ids, mask)
-        out = []
+            logits = (self.ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
+                      if self.ref is not None else None)
+            rewards = self.reward(ids, mask) if reward_model else None
+            values = self.critic(ids, mask) if self.critic is not None else None
+        out: list[dict[str, object]] = []
         for i, s in enumerate(samples):
             p, g = len(s.prompt_ids), len(s.token_ids)
-            # Position p-1+j predicts response token j.
-            rows = logits[i, p - 1: p - 1 + g].to(torch.float64)
-            tok = torch.as_tensor(s.token_ids, device=rows.device)
-            ref_lp = torch.log_softmax(rows, dim=-1).gather(1, tok[:, None])[:, 0]
-            out.append(Experience(
-                sample_id=s.sample_id, prompt_ids=s.prompt_ids, response_ids=s.token_ids,
-                finish_reason=s.finish_reason,
-                logprobs=torch.tensor(s.logprobs, dtype=torch.float64),
-                ref_logprobs=ref_lp.cpu(),
-                values=values[i, p - 1: p - 1 + g].to(torch.float64).cpu(),
-                reward=(float(rewards[i, p + g - 1]) if rewards is not None
-                        else float(self.reward(s.prompt_ids, s.token_ids))),
-            ))
-        self.samples_scored += len(samples)
+            part: dict[str, object] = {}
+            if logits is not None:
+                # Position p-1+j predicts response token j.
+                rows = logits[i, p - 1: p - 1 + g].to(torch.float64)
+                tok = torch.as_tensor(s.token_ids, device=rows.device)
+                part["ref_logprobs"] = torch.log_softmax(rows, dim=-1).gather(
+                    1, tok[:, None])[:, 0].cpu()
+            if values is not None:
+                part["values"] = values[i, p - 1: p - 1 + g].to(torch.float64).cpu()
+            if rewards is not None:
+                part["reward"] = float(rewards[i, p + g - 1])
+            elif self.reward is not None:
+                part["reward"] = float(self.reward(s.prompt_ids, s.token_ids))
+            out.append(part)
         return out
+
+
+def merge_parts(sample: SampleResult, parts: Sequence[dict[str, object]]) -> Experience:
+    """One sample's experience from the partial scores of the ranks that hold each model."""
+    joined: dict[str, object] = {}
+    for part in parts:
+        joined.update(part)
+    missing = [k for k in ("ref_logprobs", "values", "reward") if k not in joined]
+    if missing:
+        raise ValueError(f"sample {sample.sample_id}: no rank scored {missing}")
+    return Experience(
+        sample_id=sample.sample_id, prompt_ids=sample.prompt_ids, response_ids=sample.token_ids,
+        finish_reason=sample.finish_reason,
+        logprobs=torch.tensor(sample.logprobs, dtype=torch.float64),
+        ref_logprobs=joined["ref_logprobs"],  # type: ignore[arg-type]
+        values=joined["values"],  # type: ignore[arg-type]
+        reward=joined["reward"],  # type: ignore[arg-type]
+    )

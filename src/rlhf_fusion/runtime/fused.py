@@ -490,9 +490,11 @@ def reference_step(
     loss_denominator: float | None = None,
     backward: Callable[[Tensor], None] | None = None,
     step: bool = True,
+    roles: Sequence[str] = ROLES,
 ) -> dict[str, Any]:
     """The same step on one process without pipelining (the exactness reference, and the
-    Lightning module's single-device ``training_step``).
+    Lightning module's single-device ``training_step``). ``roles``: the models to train
+    (a placement may put the Actor and the Critic on different ranks).
 
     Every micro-batch loss is divided by ``loss_denominator`` (default: the number of
     micro-batches) and back-propagated with ``backward`` (default ``Tensor.backward``).
@@ -503,7 +505,7 @@ def reference_step(
     denom = float(loss_denominator or len(micro_batches))
     run_backward = backward if backward is not None else Tensor.backward
     stats: dict[str, dict[str, float]] = {}
-    for name in ROLES:
+    for name in roles:
         model = models[name]
         acc: dict[str, Tensor] = {}
         for mb in micro_batches:
@@ -517,8 +519,8 @@ def reference_step(
         stats[name] = {k: float(v) for k, v in acc.items()}
     if not step:
         return {"stats": stats, "grad_norm": None}
-    norms = {n: clip_grad_norm_(models[n].parameters(), max_grad_norm) for n in ROLES}
-    _step_optimizers(optimizers, ROLES)
+    norms = {n: clip_grad_norm_(models[n].parameters(), max_grad_norm) for n in roles}
+    _step_optimizers(optimizers, roles)
     return {"stats": stats, "grad_norm": norms}
 
 

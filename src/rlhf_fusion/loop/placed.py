@@ -1,0 +1,346 @@
+"""One PPO iteration under a placement: each model function call on its own ranks.
+
+:class:`PlacedPPOWorker` is :class:`~rlhf_fusion.loop.iteration.PPOWorker` with the six calls
+placed as :mod:`rlhf_fusion.loop.placement` resolved them (a FlexRLHF preset or a plan file).
+The iteration reads the same top to bottom; what changes is who does each part:
+
+1. **Weight sync**: the trained Actor reaches the generation copies, the trained Critic the
+   Critic-inference copies. A rank that trains the model loads its own weights; every other
+   destination receives them once, by one broadcast from the first training rank in a group of
+   exactly that rank and the destinations (ReaLHF's reallocation; under ``disaggregated`` these
+   are the shadow models). With the fused pipeline (every rank trains a stage) each stage is
+   broadcast from its owner as in the co-located loop.
+2. **Generation + inference** on the generation ranks (their own process group: inter-stage
+   fusion migrates the tail among them). If the three inference calls share those ranks, they
+   score finished samples while the tail decodes; otherwise the samples go to every rank, each
+   inference mesh scores its round-robin share and the scores are gathered back.
+3. **Advantages** on every rank from the whole batch (cheap, identical everywhere).
+4. **Training**: data parallel on each training call's ranks (the mini-batch's micro-batches
+   shared in order, gradients summed over the call's group), or the fused pipeline.
+
+Every rank takes part in every collective of the default group in the same order; groups are
+created once, in one order, at construction.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..rollout.inference import Experience, InferenceModels, merge_parts
+from ..rollout.local import LocalFusedRollout
+from ..rollout.types import SampleSpec
+from ..runtime.engine import clip_grad_norm_
+from ..runtime.fused import ROLES, default_loss_fns, reference_step
+from ..runtime.microbatch import split_micro_batches
+from .config import RLHFConfig
+from .iteration import PPOWorker, trl_training_metrics
+from .models import Models
+from .placement import INFERENCE_CALLS, TRAIN_CALLS, LoopPlacement
+from .rt import RtPlanner, timed_scoring
+
+# The Critic-inference copy is the model ``critic_inf`` scores with; the Actor's generation
+# copy lives in the backend.
+SYNC_TARGET = {"actor": "actor_gen", "critic": "critic_inf"}
+INFERENCE_MODEL = {"ref_inf": "ref", "reward_inf": "reward", "critic_inf": "critic"}
+
+
+class _NoGeneration:
+    """Stands in for the backend on ranks outside the generation mesh."""
+
+    steps: list[tuple[int, float]] = []
+    model = None
+
+    def wake_up(self) -> None:
+        pass
+
+    def sleep(self) -> None:
+        pass
+
+    def reset_timing(self) -> None:
+        pass
+
+
+class PlacedPPOWorker(PPOWorker):
+    """A rank's share of an iteration under ``cfg.placement`` (see the module docstring)."""
+
+    def __init__(self, cfg: RLHFConfig, *, models: Models | None = None,
+                 device: torch.device | str = "cpu") -> None:
+        cfg.validate()
+        self.placement: LoopPlacement = cfg.loop_placement()
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError("a placement needs torch.distributed initialised with "
+                               f"world_size={cfg.world_size} ranks (rlhf_fusion.loop.train "
+                               "starts them)")
+        # Every rank creates every group, in the same order (new_group is collective).
+        self.groups = {ranks: dist.new_group(list(ranks)) for ranks in self.placement.groups()}
+        self._sync_groups: dict[str, Any] = {}
+        super().__init__(cfg, models=models, device=device)
+
+    # -- set-up ----------------------------------------------------------------------------------
+    def _layout(self, call: str) -> Any:
+        return self.placement.calls[call]
+
+    def _holds(self, call: str) -> bool:
+        return self.placement.holds(call, self.rank)
+
+    def _setup_rollout(self) -> None:
+        m, pad = self.models, self.tokenizer.pad_token_id
+        self.backend = (self._timed(self._generation_backend()) if self._holds("actor_gen")
+                        else _NoGeneration())
+        held = {call: self._holds(call) for call in INFERENCE_CALLS}
+        models = {"ref_inf": m.ref if held["ref_inf"] else None,
+                  "reward_inf": self._reward() if held["reward_inf"] else None,
+                  "critic_inf": copy.deepcopy(m.critic) if held["critic_inf"] else None}
+        if self.placement.streamed_inference:
+            self.inference = InferenceModels(models["ref_inf"], models["reward_inf"],
+                                             models["critic_inf"], micro_batch=4,
+                                             device=self.device, pad_id=pad)
+            if self._holds("actor_gen"):
+                self.inference.score = timed_scoring(self.inference.score, self._scoring)
+            self.scorers: dict[str, InferenceModels] = {}
+        else:
+            self.inference = None  # type: ignore[assignment]
+            only = {c: {k: (v if k == c else None) for k, v in models.items()}
+                    for c in INFERENCE_CALLS if held[c]}
+            self.scorers = {c: InferenceModels(ms["ref_inf"], ms["reward_inf"], ms["critic_inf"],
+                                               micro_batch=4, device=self.device, pad_id=pad)
+                            for c, ms in only.items()}
+        # A rank keeps only the frozen models it serves.
+        if not held["ref_inf"]:
+            m.ref = None
+
+    @staticmethod
+    def _timed(backend: Any) -> Any:
+        from .rt import TimedBackend
+
+        return TimedBackend(backend)
+
+    def _setup_training(self) -> None:
+        if self.placement.fused_training:
+            super()._setup_training()
+            return
+        params = {}
+        for role, call in TRAIN_CALLS.items():
+            if self._holds(call):
+                params[role] = list(getattr(self.models, role).parameters())
+            else:
+                setattr(self.models, role, None)  # trained elsewhere
+        self.optimizers = self._optimizers(params)
+
+    def _rt_planner(self) -> RtPlanner:
+        g, gen = self.cfg.generation, self._layout("actor_gen")
+        return RtPlanner(g.prompts_per_iteration, len(gen.ranks), bs_max=g.bs_max,
+                         kv_capacity_tokens=g.kv_capacity_tokens,
+                         fixed=self.cfg.rt_samples(None), src=gen.ranks[0])
+
+    def training_modules(self) -> dict[str, torch.nn.Module]:
+        if self.fused is not None:
+            return super().training_modules()
+        return {role: getattr(self.models, role) for role, call in TRAIN_CALLS.items()
+                if self._holds(call)}
+
+    # -- 1. weight sync --------------------------------------------------------------------------
+    def sync_weights(self) -> dict[str, float]:
+        if self.fused is not None:
+            return super().sync_weights()
+        moved = minimum = 0
+        for role in ROLES:
+            train, dst = self._layout(TRAIN_CALLS[role]), self._layout(SYNC_TARGET[role])
+            need = [r for r in dst.ranks if r not in train.ranks]
+            nbytes = sum(s.numel() * torch.empty((), dtype=d).element_size()
+                         for s, d in self._shapes[role].values())
+            minimum += nbytes * len(need)
+            params = None
+            if need:
+                group = self._sync_group(role, train.ranks[0], need)
+                if group is not None:
+                    params = self._broadcast(role, train.ranks[0], group)
+                    moved += nbytes * len(need)
+            if self._holds(SYNC_TARGET[role]):
+                if params is None:  # this rank trains the model: its own weights
+                    params = dict(getattr(self.models, role).named_parameters())
+                self._load(role, self._sync_dst(role), params)
+        return {"realloc/bytes": float(moved), "realloc/min_bytes": float(minimum)}
+
+    def _sync_group(self, role: str, owner: int, need: Sequence[int]) -> Any:
+        """The group {owner} + ``need`` (created on first use by every rank: collective)."""
+        if role not in self._sync_groups:
+            ranks = sorted({owner, *need})
+            self._sync_groups[role] = (ranks, dist.new_group(ranks))
+        ranks, group = self._sync_groups[role]
+        return group if self.rank in ranks else None
+
+    def _broadcast(self, role: str, owner: int, group: Any) -> dict[str, Tensor]:
+        shapes = self._shapes[role]
+        names = list(shapes)
+        dtype = shapes[names[0]][1]
+        if self.rank == owner:
+            own = dict(getattr(self.models, role).named_parameters())
+            buf = torch.cat([own[n].detach().reshape(-1).to(dtype) for n in names])
+        else:
+            buf = torch.empty(sum(shapes[n][0].numel() for n in names), dtype=dtype,
+                              device=self.device)
+        dist.broadcast(buf, src=owner, group=group)
+        out, off = {}, 0
+        for n in names:
+            size = shapes[n][0].numel()
+            out[n] = buf[off: off + size].view(shapes[n][0])
+            off += size
+        return out
+
+    def _sync_dst(self, role: str) -> torch.nn.Module | None:
+        if role == "actor":
+            return getattr(self.backend, "model", None)
+        scorer = self.inference if self.inference is not None else self.scorers["critic_inf"]
+        return scorer.critic
+
+    def _receives(self, role: str) -> bool:
+        return self._holds(SYNC_TARGET[role])
+
+    # -- 2. generation + inference ---------------------------------------------------------------
+    def rollout(self, specs: list[SampleSpec]) -> tuple[list[Experience], dict[str, Any]]:
+        gen = self._layout("actor_gen")
+        f = self.cfg.fusion
+        fused = f.inter and len(gen.ranks) > 1
+        rt = self.rt_planner.rt() if fused else None  # collective over every rank
+        out_box: list[Any] = [None]
+        if self._holds("actor_gen"):
+            from ..rollout import RolloutConfig, run_rollout
+
+            rcfg = RolloutConfig(fused=fused, rt=rt, mechanism=f.mechanism,
+                                 timeout_s=f.timeout_s, report_every=16)
+            if len(gen.ranks) == 1:
+                res = LocalFusedRollout([self.backend], self.inference).run(specs)
+                out_box[0] = (res.results, res.experiences, {"ranks": []})
+            else:
+                out = run_rollout(self.backend, self.inference, specs, rcfg,
+                                  bs_max=self.cfg.generation.bs_max,
+                                  group=self.groups[gen.ranks])
+                out_box[0] = (out.results, out.experiences, out.stats)
+        # The generation ranks' first member hands the batch to everyone.
+        dist.broadcast_object_list(out_box, src=gen.ranks[0])
+        results, exps, stats = out_box[0]
+        if exps is None:
+            exps = self._score_placed(results)
+        return exps, {**stats, "rt": rt}
+
+    def _score_placed(self, results: Sequence[Any]) -> list[Experience]:
+        """Each inference mesh scores its round-robin share; every rank gets every score."""
+        mine: dict[str, list[tuple[int, dict[str, object]]]] = {}
+        for call, scorer in self.scorers.items():
+            lay = self._layout(call)
+            share = list(results)[lay.index(self.rank)::lay.dp]
+            t = _now()
+            parts = scorer.score_parts(share)
+            self._scoring.append((sum(len(s.prompt_ids) + len(s.token_ids) for s in share),
+                                  _now() - t))
+            mine[call] = [(s.sample_id, p) for s, p in zip(share, parts)]
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, mine)
+        by_id: dict[int, list[dict[str, object]]] = {s.sample_id: [] for s in results}
+        for rep in gathered:
+            for pairs in rep.values():
+                for sid, part in pairs:
+                    by_id[sid].append(part)
+        return [merge_parts(s, by_id[s.sample_id]) for s in results]
+
+    # -- 4. training -----------------------------------------------------------------------------
+    def train(self, batch: dict[str, Tensor], iteration: int) -> dict[str, float]:
+        if self.fused is not None:
+            return super().train(batch, iteration)
+        p = self.cfg.ppo
+        rows = batch["input_ids"].shape[0]
+        mini = rows // p.num_mini_batches
+        loss_fns = default_loss_fns(self.ppo)
+        sums: dict[str, float] = {}
+        steps = 0
+        for epoch in range(p.num_ppo_epochs):
+            gen = torch.Generator().manual_seed(self.cfg.generation.seed * 7919 + iteration * 101
+                                                + epoch)
+            order = torch.randperm(rows, generator=gen)
+            for k in range(p.num_mini_batches):
+                idx = order[k * mini: (k + 1) * mini]
+                part = {key: v[idx] for key, v in batch.items()}
+                mbs = split_micro_batches(part, p.micro_batches)
+                steps += 1
+                for role, call in TRAIN_CALLS.items():
+                    if not self._holds(call):
+                        continue
+                    for name, v in self._dp_step(role, call, mbs, loss_fns).items():
+                        sums[name] = sums.get(name, 0.0) + v
+        # Each training call's first rank reports its model's statistics to everyone.
+        lead = {role: self._holds(call) and self._layout(call).ranks[0] == self.rank
+                for role, call in TRAIN_CALLS.items()}
+        mine = {k: v for k, v in sums.items() if lead[k.split("/")[0]]}
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, mine)
+        means = {k: v / max(steps, 1) for rep in gathered for k, v in rep.items()}
+        return trl_training_metrics(means)
+
+    def _dp_step(self, role: str, call: str, mbs: Sequence[dict[str, Tensor]],
+                 loss_fns: dict[str, Any]) -> dict[str, float]:
+        """This rank's share of one mini-batch for ``role``, gradients summed over the call's
+        ranks, then one clipped optimizer step (the same arithmetic as one device)."""
+        lay = self._layout(call)
+        per = len(mbs) // lay.dp
+        i = lay.index(self.rank)
+        model = getattr(self.models, role)
+        out = reference_step({role: model}, mbs[i * per: (i + 1) * per], None, loss_fns,
+                             loss_denominator=len(mbs), step=False, roles=(role,))
+        group = self.groups[lay.ranks]
+        grads = [q.grad for q in model.parameters() if q.grad is not None]
+        if lay.dp > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            off = 0
+            for g in grads:
+                g.copy_(flat[off: off + g.numel()].view_as(g))
+                off += g.numel()
+        stats = out["stats"][role]
+        keys = sorted(stats)
+        vals = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
+        if lay.dp > 1:
+            dist.all_reduce(vals, group=group)
+        norm = clip_grad_norm_(model.parameters(), self.cfg.ppo.max_grad_norm)
+        opt = self.optimizers[role]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        res = {f"{role}/{k}": float(v) for k, v in zip(keys, vals)}
+        res[f"{role}/grad_norm"] = float(norm)
+        return res
+
+    # -- state -----------------------------------------------------------------------------------
+    def canonical_state(self) -> dict[str, Tensor]:
+        if self.fused is not None:
+            return super().canonical_state()
+        out: dict[str, Tensor] = {}
+        for role, call in TRAIN_CALLS.items():
+            if self._holds(call) and self._layout(call).ranks[0] == self.rank:
+                for k, v in getattr(self.models, role).named_parameters():
+                    out[f"{role}.{k}"] = v.detach().clone()
+        return out
+
+    def set_fusion(self, *, inter: bool, intra: bool) -> None:
+        if self.fused is not None:
+            super().set_fusion(inter=inter, intra=intra)
+            return
+        self.cfg.fusion.inter, self.cfg.fusion.intra = inter, intra
+
+
+def _now() -> float:
+    import time
+
+    return time.perf_counter()
+
+
+def make_worker(cfg: RLHFConfig, *, models: Models | None = None,
+                device: torch.device | str = "cpu") -> PPOWorker:
+    """The worker for ``cfg``: placed when ``cfg.placement`` names a preset or a plan."""
+    cls = PlacedPPOWorker if cfg.placement.given else PPOWorker
+    return cls(cfg, models=models, device=device)

@@ -1,0 +1,127 @@
+"""The loop under a placement: every preset and a searched plan give the co-located run.
+
+Four gloo processes, three iterations each: identical token ids, experience and Actor/Critic
+parameters within 1e-6 of the default loop (every model on every rank, the fused 4-stage
+pipeline), every sample exactly once; bad placements are rejected before any process starts.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from test_loop import assert_same_run, run, tiny  # noqa: E402
+
+from rlhf_fusion.loop import LoopConfigError, PlacementSection  # noqa: E402
+from rlhf_fusion.loop.placement import resolve  # noqa: E402
+from rlhf_fusion.placement import (  # noqa: E402
+    Cluster,
+    PlacementProblem,
+    make_mesh,
+    search,
+)
+from rlhf_fusion.placement.plan import CallPlacement, ExecutionPlan  # noqa: E402
+from rlhf_fusion.placement.strategy import ParallelStrategy  # noqa: E402
+
+WORLD = 4
+MICRO = 4   # micro-batches per mini-batch: every training call's dp (1, 2 or 4) divides it
+
+
+@pytest.fixture(scope="module")
+def colocated():
+    return run(tiny(WORLD, pipeline_stages=WORLD, micro_batches=MICRO))
+
+
+@pytest.mark.parametrize("preset", ["colocated", "interleaved", "interleaved2", "disaggregated"])
+def test_preset_equals_colocated(colocated, preset):
+    res = run(tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(preset=preset)))
+    assert_same_run(colocated, res)
+    h = res["history"][-1]
+    # Weights move only to ranks that lack them, once each.
+    assert h["realloc/bytes"] == h["realloc/min_bytes"]
+    if preset == "disaggregated":   # shadow Actor and Critic on the two inference ranks
+        assert h["realloc/bytes"] > 0
+
+
+def tiny_problem() -> PlacementProblem:
+    return PlacementProblem.from_dict({
+        "models": {"actor": {"params": 2e5, "layers": 4, "hidden": 32, "vocab": 64,
+                             "heads": 4}},
+        "cluster": {"nodes": 1, "gpus_per_node": WORLD, "hardware": "a100-80g"},
+        "batch": 16, "prompt_len": 8, "gen_len": 40, "ppo_minibatches": 2, "ppo_epochs": 2,
+        "micro_batch_tokens": 256})
+
+
+def test_searched_plan_equals_colocated(colocated, tmp_path):
+    prob = tiny_problem()
+    found = search(prob, time_limit=2.0, seed=0)
+    path = tmp_path / "plan.json"
+    found.plan.save(path, prob.cluster)
+    res = run(tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(plan=str(path))))
+    assert_same_run(colocated, res)
+
+
+def test_two_rank_disaggregated_generates_on_one_instance():
+    base = run(tiny(2, inter=False, pipeline_stages=2, micro_batches=2))
+    res = run(tiny(2, micro_batches=2, placement=PlacementSection(preset="disaggregated")))
+    assert_same_run(base, res)
+
+
+def _plan_file(tmp_path, **override) -> str:
+    cluster = Cluster.uniform(1, WORLD)
+    mesh = make_mesh(cluster, "main", 0, 1)
+    calls = {c: CallPlacement(mesh, ParallelStrategy(WORLD, 1, 1))
+             for c in ("actor_gen", "ref_inf", "reward_inf", "critic_inf", "actor_train",
+                       "critic_train")}
+    for c, (ranks_start, n, dp, tp, pp) in override.items():
+        calls[c] = CallPlacement(make_mesh(cluster, "main", 0, 1, ranks_start, n),
+                                 ParallelStrategy(dp, tp, pp))
+    path = tmp_path / "plan.json"
+    ExecutionPlan(calls, "test").save(path, cluster)
+    return str(path)
+
+
+@pytest.mark.parametrize("override, message", [
+    ({"actor_train": (0, 4, 2, 2, 1)}, "tensor parallelism"),
+    ({"ref_inf": (0, 4, 2, 1, 2)}, "whole copies"),
+    ({"actor_train": (0, 2, 1, 1, 2)}, "fused Actor/Critic pipeline over every rank"),
+])
+def test_unsupported_plans_are_rejected_with_the_reason(tmp_path, override, message):
+    cfg = tiny(WORLD, micro_batches=MICRO,
+               placement=PlacementSection(plan=_plan_file(tmp_path, **override)))
+    with pytest.raises(LoopConfigError, match=message):
+        cfg.validate()
+
+
+def test_bad_placements_are_rejected_before_start(tmp_path):
+    with pytest.raises(LoopConfigError, match="unknown placement preset"):
+        tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(preset="spread")).validate()
+    with pytest.raises(LoopConfigError, match="data-parallel ranks of actor_train"):
+        tiny(WORLD, micro_batches=2, placement=PlacementSection(preset="colocated")).validate()
+    with pytest.raises(LoopConfigError, match="power of two"):
+        tiny(6, micro_batches=4, placement=PlacementSection(preset="colocated")).validate()
+    with pytest.raises(LoopConfigError, match="remove them"):
+        tiny(WORLD, micro_batches=MICRO, pipeline_stages=2,
+             placement=PlacementSection(preset="colocated")).validate()
+    plan = json.loads(open(_plan_file(tmp_path)).read())
+    plan["cluster"]["groups"][0]["gpus_per_node"] = 8
+    other = tmp_path / "eight.json"
+    other.write_text(json.dumps(plan))
+    with pytest.raises(LoopConfigError, match="plan for a cluster of 4 devices"):
+        tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(plan=str(other))).validate()
+
+
+def test_presets_resolve_to_flexrlhf_rank_sets():
+    inter = resolve("interleaved", None, WORLD)
+    assert inter.calls["ref_inf"].ranks == (0, 1) and inter.calls["reward_inf"].ranks == (2, 3)
+    assert inter.calls["actor_train"].ranks == (0, 1, 2, 3)
+    dis = resolve("disaggregated", None, WORLD)
+    assert dis.calls["actor_train"].ranks == dis.calls["critic_train"].ranks == (0, 1)
+    assert all(dis.calls[c].ranks == (2, 3)
+               for c in ("actor_gen", "ref_inf", "reward_inf", "critic_inf"))
+    i2 = resolve("interleaved2", None, WORLD)
+    assert i2.calls["actor_train"].ranks == (0, 1) and i2.calls["critic_train"].ranks == (2, 3)
+    assert resolve(None, None, WORLD) is None
