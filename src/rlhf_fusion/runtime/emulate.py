@@ -190,7 +190,8 @@ class _Rank:
         # Payload bytes are never read: one zero buffer serves every send (a view per message).
         self.send_buf = torch.zeros(max(out, default=1), dtype=torch.uint8)
         rin = [sum(m.nbytes for m in ms if m.dst == rank) for ms in prog.realloc.values()]
-        self.realloc_buf = torch.empty(max(rin, default=1), dtype=torch.uint8)
+        # zeros, not empty: the first reallocation must not pay the page faults of its buffer.
+        self.realloc_buf = torch.zeros(max(rin, default=1), dtype=torch.uint8)
 
     def _wait(self, work: Any, node: ENode, what: str) -> None:
         try:
@@ -275,8 +276,11 @@ class _Rank:
         return t0, records
 
 
-def _emulate_worker(rank: int, world: int, prog: Program, repeats: int, timeout: float) -> dict:
+def _emulate_worker(rank: int, world: int, prog: Program, repeats: int, timeout: float,
+                    warmup: int = 0) -> dict:
     r = _Rank(rank, prog, timeout)
+    for _ in range(warmup):
+        r.run_once()
     runs = [r.run_once() for _ in range(repeats)]
     dist.barrier()
     return {"t0": [t for t, _ in runs], "records": [rec for _, rec in runs]}
@@ -353,17 +357,19 @@ def merge(prog: Program, values: Sequence[dict]) -> list[Measured]:
 
 
 def emulate_plan(plan: ExecutionPlan, estimator: Estimator, *, repeats: int = 3,
-                 byte_scale: float = 1.0, duration_scale: float = 1.0, timeout: float = 60.0,
-                 run_timeout: float = 600.0) -> EmulationResult:
-    """Run ``plan``'s graph ``repeats`` times on ``cluster.size`` local gloo processes.
+                 warmup: int = 1, byte_scale: float = 1.0, duration_scale: float = 1.0,
+                 timeout: float = 60.0, run_timeout: float = 600.0) -> EmulationResult:
+    """Run ``plan``'s graph ``repeats`` times on ``cluster.size`` local gloo processes, after
+    ``warmup`` unrecorded runs (first sends on fresh connections and buffers are slower than
+    the steady state the estimator describes).
 
     ``timeout`` bounds every wait inside a rank; ``run_timeout`` the whole launch.
     """
     est = estimator.estimate(plan)
     prog = build_program(plan, estimator, est, byte_scale=byte_scale,
                          duration_scale=duration_scale)
-    res = run_ranks(_emulate_worker, prog.world, prog, repeats, timeout, timeout=run_timeout,
-                    collective_timeout=timeout)
+    res = run_ranks(_emulate_worker, prog.world, prog, repeats, timeout, warmup,
+                    timeout=run_timeout, collective_timeout=timeout)
     return EmulationResult(plan.name, est, prog, merge(prog, [r.value for r in res]))
 
 
@@ -377,6 +383,7 @@ class LinkMeasurement:
     concurrent_bandwidth: float  # bytes/s per pair while every other pair sends too
     nbytes: int
     pairs: int
+    bidirectional_bandwidth: float = 0.0  # bytes/s per rank and direction, all ranks both ways
 
     def to_dict(self) -> dict[str, float]:
         return dataclasses.asdict(self)
@@ -424,17 +431,36 @@ def _link_worker(rank: int, world: int, nbytes: int, reps: int) -> dict:
     if bw is not None:
         out["bandwidth"] = bw
     out["concurrent_bandwidth"] = stream(True) or 0.0
+    # Every rank sends to and receives from its pair at once (what a reallocation between two
+    # tensor-parallel layouts does): the per-GPU link model says this costs no more than one
+    # direction; on a CPU-bound loopback transport it does.
+    dist.barrier()
+    times = []
+    other = torch.empty_like(big)
+    for _ in range(reps):
+        t = time.perf_counter()
+        works = [dist.irecv(other, peer), dist.isend(big, peer)]
+        for w in works:
+            w.wait()
+        dist.barrier()
+        times.append(time.perf_counter() - t)
+    out["bidirectional_bandwidth"] = nbytes / statistics.median(times)
     return out
 
 
-def measure_links(world: int = 4, nbytes: int = 16 << 20, reps: int = 5) -> LinkMeasurement:
-    """Latency and bandwidth of gloo sends between ``world`` local processes (even)."""
+def measure_links(world: int = 4, nbytes: int = 64 << 20, reps: int = 5) -> LinkMeasurement:
+    """Latency and bandwidth of gloo sends between ``world`` local processes (even).
+
+    ``nbytes`` per message: large, as reallocation pieces are (100-400 MB in the benchmark);
+    at 16 MB the per-message overhead of gloo already costs a third of the rate.
+    """
     res = run_ranks(_link_worker, world, nbytes, reps, timeout=300.0)
     v = [r.value for r in res]
     return LinkMeasurement(v[0]["latency_s"], statistics.median([v[0]["bandwidth"],
                                                                  v[1]["bandwidth"]]),
                            statistics.median(x["concurrent_bandwidth"] for x in v),
-                           nbytes, world // 2)
+                           nbytes, world // 2,
+                           statistics.median(x["bidirectional_bandwidth"] for x in v))
 
 
 def local_hardware(*, flops: float, hbm_bw: float, link: LinkMeasurement | None = None,
