@@ -320,14 +320,11 @@ class EmulationResult:
         return self.measured_iteration_time / self.predicted.iteration_time
 
 
-def _iteration_time(nodes: Sequence[ENode], end: Sequence[float]) -> float:
-    """``Timeline.iteration_time`` on measured ends."""
-    its = max(n.iteration for n in nodes)
-
-    def it_end(t: int) -> float:
-        return max(e for e, n in zip(end, nodes) if n.iteration == t)
-
-    return it_end(its) - it_end(its - 1) if its else max(end)
+def _iteration_time(nodes: Sequence[ENode], start: Sequence[float], end: Sequence[float]
+                    ) -> float:
+    """The estimator's own ``Timeline.iteration_time`` on measured times (it reads only each
+    node's ``iteration`` and end, which ``ENode`` carries as ``TNode`` does)."""
+    return Timeline(list(start), list(end), list(nodes)).iteration_time()  # type: ignore[arg-type]
 
 
 def merge(prog: Program, values: Sequence[dict]) -> list[Measured]:
@@ -352,7 +349,7 @@ def merge(prog: Program, values: Sequence[dict]) -> list[Measured]:
                 if prog.nodes[i].kind == "realloc":
                     recv[i] += got
         out.append(Measured(start, end, ranks, runs, per_rank, dict(recv),
-                            _iteration_time(prog.nodes, end)))
+                            _iteration_time(prog.nodes, start, end)))
     return out
 
 
