@@ -227,8 +227,9 @@ def markdown(rep: dict[str, Any]) -> str:
     L += ["", f"Plans within 20%: {sum(r['pass'] for r in rep['rows'])} of {len(rep['rows'])}; "
           f"worst |ratio - 1| = {max(abs(r['ratio'] - 1) for r in rep['rows']):.3f}.", "",
           "## Reallocations (iteration 1), where the estimate is furthest off", "",
-          "The estimator's reallocation time is destination-bound: the busiest *receiving* "
-          "rank's bytes at its link rate, every GPU's link independent of the others.", "",
+          "The estimator's reallocation time is link-bound: the busiest rank's bytes in one "
+          "direction (sent or received) at its link rate, every GPU's link independent of "
+          "the others.", "",
           "| plan | node | transfers | busiest rank in / out (MB) | ranks sending and "
           "receiving | predicted s | measured s | measured / predicted |",
           "|---|---|---|---|---|---|---|---|"]

@@ -160,7 +160,7 @@ class Estimator:
                     nodes.append(TNode(f"realloc {reallocs[k]}->{k}@{t}", rtime[k],
                                        src.mesh.rank_set | pl.mesh.rank_set,
                                        [(i, 0.0) for i in param_parents], iteration=t,
-                                       kind="realloc"))
+                                       kind="realloc", call=k, model=reallocs[k]))
                     parents.append((len(nodes) - 1, 0.0))
                 else:
                     parents.extend((i, 0.0) for i in param_parents)
@@ -169,7 +169,8 @@ class Estimator:
                     m = p.models[CALL_MODEL[k]]
                     hw = self.cost.hw(pl.mesh)
                     prefetch = m.param_bytes / (pl.strategy.tp * pl.strategy.pp) / hw.pcie_bw
-                nodes.append(TNode(f"{k}@{t}", d[k], pl.mesh.rank_set, parents, prefetch, t))
+                nodes.append(TNode(f"{k}@{t}", d[k], pl.mesh.rank_set, parents, prefetch, t,
+                                   call=k, model=CALL_MODEL[k]))
                 index[(k, t)] = len(nodes) - 1
         tl = simulate(nodes)
         mem = self.memory(plan)

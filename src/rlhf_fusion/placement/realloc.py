@@ -158,18 +158,21 @@ def _union_bytes(pieces: set[tuple], nbytes) -> float:
 
 
 def _seconds(transfers: list[Transfer], cluster: Cluster, mesh: DeviceMesh) -> float:
-    """Destination-bound time: every rank receives its NVLink and its InfiniBand bytes at its
-    link's rate (broadcast trees keep the sources as busy as the receivers), plus one latency
-    per transfer round."""
+    """Link-bound time: each transfer goes straight from one holder to one destination, so a
+    rank's NVLink and InfiniBand links carry everything it sends and everything it receives;
+    the busiest link in either direction sets the time, plus one latency per transfer round
+    (the most transfers any rank takes part in)."""
     if not transfers:
         return 0.0
     hw = cluster.group(mesh.group).hardware
-    nv: dict[int, float] = defaultdict(float)
-    ib: dict[int, float] = defaultdict(float)
-    for t in transfers:
-        (nv if t.link == "nvlink" else ib)[t.dst] += t.nbytes
     eff = hw.comm_efficiency
-    worst = max([b / (hw.nvlink_bw * eff) for b in nv.values()]
-                + [b / (hw.ib_bw * eff) for b in ib.values()] + [0.0])
-    rounds = max(sum(1 for t in transfers if t.dst == d) for d in {t.dst for t in transfers})
-    return worst + rounds * hw.link_latency_s
+    load: dict[tuple[int, str, str], float] = defaultdict(float)
+    rounds: dict[tuple[int, str], int] = defaultdict(int)
+    for t in transfers:
+        load[(t.src, t.link, "out")] += t.nbytes
+        load[(t.dst, t.link, "in")] += t.nbytes
+        rounds[(t.src, "out")] += 1
+        rounds[(t.dst, "in")] += 1
+    worst = max(b / ((hw.nvlink_bw if link == "nvlink" else hw.ib_bw) * eff)
+                for (_r, link, _d), b in load.items())
+    return worst + max(rounds.values()) * hw.link_latency_s

@@ -23,6 +23,8 @@ class TNode:
     prefetch_s: float = 0.0
     iteration: int = 0
     kind: str = "call"          # "call" | "realloc"
+    call: str = ""              # the model function call (a reallocation: the one it feeds)
+    model: str = ""             # the model it runs or moves
 
 
 @dataclass

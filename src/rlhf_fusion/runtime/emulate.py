@@ -145,9 +145,7 @@ def build_program(plan: ExecutionPlan, estimator: Estimator, estimate: Estimate 
     realloc: dict[int, list[Message]] = {}
     for i, n in enumerate(tl.nodes):
         if n.kind == "realloc":
-            # "realloc {model}->{call}@{t}": the estimator's naming of the node it added.
-            model, rest = n.name.split(" ", 1)[1].split("->")
-            call = rest.split("@")[0]
+            model, call = n.model, n.call
             src, dst = plan.calls[TRAIN_CALL[model]], plan.calls[call]
             rp = plan_realloc(p.models[model], Layout(src.mesh, src.strategy),
                               Layout(dst.mesh, dst.strategy), p.cluster, detail=False)
@@ -162,7 +160,7 @@ def build_program(plan: ExecutionPlan, estimator: Estimator, estimate: Estimate 
             par = tl.nodes[j]
             if par.kind != "call" or par.ranks == n.ranks:
                 continue   # same mesh: the data stays; reallocation parents end in a barrier
-            total = cost.data_bytes(par.name.split("@")[0]) * byte_scale
+            total = cost.data_bytes(par.call) * byte_scale
             pieces = _pieces(sorted(par.ranks), sorted(n.ranks))
             per = max(1, round(total / len(pieces) / STREAM_CHUNKS))
             for s, d in pieces:
