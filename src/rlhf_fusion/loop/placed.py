@@ -5,11 +5,12 @@ placed as :mod:`rlhf_fusion.loop.placement` resolved them (a FlexRLHF preset or 
 The iteration reads the same top to bottom; what changes is who does each part:
 
 1. **Weight sync**: the trained Actor reaches the generation copies, the trained Critic the
-   Critic-inference copies. A rank that trains the model loads its own weights; every other
-   destination receives them once, by one broadcast from the first training rank in a group of
-   exactly that rank and the destinations (ReaLHF's reallocation; under ``disaggregated`` these
-   are the shadow models). With the fused pipeline (every rank trains a stage) each stage is
-   broadcast from its owner as in the co-located loop.
+   Critic-inference copies, by :func:`rlhf_fusion.runtime.reallocation.execute` from the
+   training layout to the inference layout: a rank that trains the model keeps its own
+   weights, every other destination receives each byte once, from the least-loaded training
+   rank (ReaLHF's reallocation; under ``disaggregated`` these are the shadow models). With the
+   fused pipeline (every rank trains a stage) each stage is broadcast from its owner as in the
+   co-located loop.
 2. **Generation + inference** on the generation ranks (their own process group: inter-stage
    fusion migrates the tail among them). If the three inference calls share those ranks, they
    score finished samples while the tail decodes; otherwise the samples go to every rank, each
@@ -79,7 +80,6 @@ class PlacedPPOWorker(PPOWorker):
                                "starts them)")
         # Every rank creates every group, in the same order (new_group is collective).
         self.groups = {ranks: dist.new_group(list(ranks)) for ranks in self.placement.groups()}
-        self._sync_groups: dict[str, Any] = {}
         super().__init__(cfg, models=models, device=device)
 
     # -- set-up ----------------------------------------------------------------------------------
@@ -90,7 +90,11 @@ class PlacedPPOWorker(PPOWorker):
         return self.placement.holds(call, self.rank)
 
     def _setup_rollout(self) -> None:
+        from ..runtime.reallocation import param_table
+
         m, pad = self.models, self.tokenizer.pad_token_id
+        # What the weight sync moves, known on every rank (before unplaced models are dropped).
+        self._tables = {role: param_table(getattr(m, role), role) for role in ROLES}
         self.backend = (self._timed(self._generation_backend()) if self._holds("actor_gen")
                         else _NoGeneration())
         held = {call: self._holds(call) for call in INFERENCE_CALLS}
@@ -149,50 +153,28 @@ class PlacedPPOWorker(PPOWorker):
     def sync_weights(self) -> dict[str, float]:
         if self.fused is not None:
             return super().sync_weights()
+        from ..placement import Cluster, Layout, ParallelStrategy, mesh_from_ranks
+        from ..runtime.reallocation import execute
+
+        cluster = Cluster.uniform(1, self.world)
+
+        def layout(call: str) -> Layout:
+            lay = self._layout(call)
+            return Layout(mesh_from_ranks(cluster, lay.ranks), ParallelStrategy(lay.dp, 1, 1))
+
         moved = minimum = 0
         for role in ROLES:
-            train, dst = self._layout(TRAIN_CALLS[role]), self._layout(SYNC_TARGET[role])
-            need = [r for r in dst.ranks if r not in train.ranks]
-            nbytes = sum(s.numel() * torch.empty((), dtype=d).element_size()
-                         for s, d in self._shapes[role].values())
-            minimum += nbytes * len(need)
-            params = None
-            if need:
-                group = self._sync_group(role, train.ranks[0], need)
-                if group is not None:
-                    params = self._broadcast(role, train.ranks[0], group)
-                    moved += nbytes * len(need)
-            if self._holds(SYNC_TARGET[role]):
-                if params is None:  # this rank trains the model: its own weights
-                    params = dict(getattr(self.models, role).named_parameters())
-                self._load(role, self._sync_dst(role), params)
+            train, target = TRAIN_CALLS[role], SYNC_TARGET[role]
+            local = (dict(getattr(self.models, role).named_parameters())
+                     if self._holds(train) else None)
+            # Whole copies on both sides: every piece comes from the least-loaded holder.
+            res = execute(self._tables[role], layout(train), layout(target), local, cluster,
+                          device=self.device, timeout=self.cfg.fusion.timeout_s)
+            moved += res.bytes
+            minimum += res.min_bytes
+            if res.shard is not None:
+                self._load(role, self._sync_dst(role), res.shard)
         return {"realloc/bytes": float(moved), "realloc/min_bytes": float(minimum)}
-
-    def _sync_group(self, role: str, owner: int, need: Sequence[int]) -> Any:
-        """The group {owner} + ``need`` (created on first use by every rank: collective)."""
-        if role not in self._sync_groups:
-            ranks = sorted({owner, *need})
-            self._sync_groups[role] = (ranks, dist.new_group(ranks))
-        ranks, group = self._sync_groups[role]
-        return group if self.rank in ranks else None
-
-    def _broadcast(self, role: str, owner: int, group: Any) -> dict[str, Tensor]:
-        shapes = self._shapes[role]
-        names = list(shapes)
-        dtype = shapes[names[0]][1]
-        if self.rank == owner:
-            own = dict(getattr(self.models, role).named_parameters())
-            buf = torch.cat([own[n].detach().reshape(-1).to(dtype) for n in names])
-        else:
-            buf = torch.empty(sum(shapes[n][0].numel() for n in names), dtype=dtype,
-                              device=self.device)
-        dist.broadcast(buf, src=owner, group=group)
-        out, off = {}, 0
-        for n in names:
-            size = shapes[n][0].numel()
-            out[n] = buf[off: off + size].view(shapes[n][0])
-            off += size
-        return out
 
     def _sync_dst(self, role: str) -> torch.nn.Module | None:
         if role == "actor":
