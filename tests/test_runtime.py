@@ -185,3 +185,35 @@ def test_faulty_peer_raises_within_timeout(mode):
         assert res[1].ok and res[1].value["error_type"] == "PeerError", res[1]
         assert "do not match" in res[1].value["message"]
         _assert_grid_marks_the_wait(res[1].value["message"], 1)
+
+
+def _serial_trace_worker(rank: int, world: int, barrier: bool) -> list[tuple[str, float, float]]:
+    from rlhf_fusion.runtime.comm import PipelineComm
+    from rlhf_fusion.runtime.engine import EmulatedStageRunner, PipelineEngine
+    from rlhf_fusion.runtime.fused import fused_problem
+    from rlhf_fusion.runtime.plan import PipelinePlan
+    from rlhf_fusion.schedule import solve
+
+    problem = fused_problem(stage_groups=2, micro_batches=2)
+    plan = PipelinePlan(solve(problem, "concatenated_1f1b", time_limit=1.0))
+    comm = PipelineComm(plan, rank, timeout=60.0)
+    runners = {name: EmulatedStageRunner(0.01, 0.02, is_first=res.stage == 0,
+                                         is_last=res.stage == 1)
+               for name, res in plan.residents(rank).items()}
+    engine = PipelineEngine(plan, comm, runners, trace=True, model_barrier=barrier)
+    engine.run(None)
+    comm.barrier("end")
+    comm.close()
+    return engine.last_trace.events
+
+
+@pytest.mark.parametrize("barrier", [True, False])
+def test_serial_mode_finishes_the_actor_everywhere_before_the_critic(barrier):
+    """RLHFuse-Base: with ``model_barrier`` no Critic action starts on any rank before the
+    Actor's last action ended on every rank; the concatenated order alone lets them overlap
+    (ranks share one monotonic clock)."""
+    res = run_ranks(_serial_trace_worker, 2, barrier, timeout=120)
+    events = [e for r in res for e in r.value]
+    actor_end = max(end for a, _s, end in events if a.startswith("actor"))
+    critic_start = min(start for a, start, _e in events if a.startswith("critic"))
+    assert (critic_start >= actor_end) == barrier

@@ -254,9 +254,10 @@ class PPOWorker:
         else:
             from ..schedule import solve
 
+            # RLHFuse-Base: the Actor's 1F1B step, then the Critic's (a barrier between them).
             serial = solve(self.fused.problem, "concatenated_1f1b", time_limit=1.0)
             self.schedule = self.fused.plan(mbs, schedule=serial, timeout=f.timeout_s,
-                                            device=self.device)
+                                            device=self.device, serial=True)
 
     def train(self, batch: dict[str, Tensor], iteration: int) -> dict[str, float]:
         """PPO epochs x mini-batches; every rank holds the whole batch and takes its rows."""
@@ -388,7 +389,7 @@ class PPOWorker:
                 from ..schedule import solve
 
                 serial = solve(self.fused.problem, "concatenated_1f1b", time_limit=1.0)
-                self.fused.build(serial, timeout=f.timeout_s, device=self.device)
+                self.fused.build(serial, timeout=f.timeout_s, device=self.device, serial=True)
 
     def close(self) -> None:
         if self.fused is not None:

@@ -201,8 +201,12 @@ class PipelineEngine:
         stream: Sequence[Action] | None = None,
         trace: bool = False,
         announce: bool = True,
+        model_barrier: bool = False,
     ):
         self.plan = plan
+        # Serial 1F1B (RLHFuse-Base): one model's step completes on every rank before the next
+        # model starts, rather than each rank moving on as soon as its own part is done.
+        self.model_barrier = model_barrier
         # Send shape headers before computing (when the runner can tell the shape).
         self.announce = announce
         self.comm = comm
@@ -245,8 +249,13 @@ class PipelineEngine:
         inbox: dict[tuple[str, str, int, int], Tensor] = {}
         outbox: dict[tuple[str, str, int, int], Tensor] = {}
         i = 0
+        current = None
         try:
             for i, a in enumerate(stream):
+                if self.model_barrier and current is not None and a.model != current:
+                    self.comm.flush_sends()
+                    self.comm.barrier("between the models of serial 1F1B")
+                current = a.model
                 key = (a.model, a.copy, a.micro_batch)
                 if a.op == "RECV_F" or a.op == "RECV_B":
                     t0 = time.perf_counter()

@@ -202,6 +202,7 @@ class FusedRank:
         device: torch.device | str = "cpu",
         sizes: Mapping[str, float] | None = None,
         trace: bool = False,
+        serial: bool = False,
     ) -> Schedule:
         """Get a schedule and build the pipeline on it. Collective over all ranks.
 
@@ -211,7 +212,7 @@ class FusedRank:
         rank 0 builds the problem from them (``problem_from_profiles``; ``sizes`` are the
         models' parameter counts for the planner's tie rule) and solves it with ``solver``
         (greedy if that solver is not installed), and broadcasts the schedule. Then
-        :meth:`build`. Returns the schedule.
+        :meth:`build` (``serial`` as there). Returns the schedule.
         """
         if schedule is None:
             schedule = self._profile_and_solve(
@@ -222,7 +223,7 @@ class FusedRank:
                 device=device,
                 sizes=sizes,
             )
-        self.build(schedule, timeout=timeout, device=device, trace=trace)
+        self.build(schedule, timeout=timeout, device=device, trace=trace, serial=serial)
         return schedule
 
     def _profile_and_solve(
@@ -268,12 +269,15 @@ class FusedRank:
         timeout: float = 300.0,
         device: torch.device | str = "cpu",
         trace: bool = False,
+        serial: bool = False,
     ) -> None:
         """Create the communicator (collective: every rank calls it) and the engine that runs
-        ``schedule``, which must plan the same stages, copies and micro-batches."""
+        ``schedule``, which must plan the same stages, copies and micro-batches. ``serial``:
+        every rank waits for the others between models (serial 1F1B: run with the
+        ``concatenated_1f1b`` order, each model's step completes before the next starts)."""
         self._check_schedule(schedule)
         plan = PipelinePlan(schedule, self.replicas)
-        self._attach(plan, timeout=timeout, device=device, trace=trace)
+        self._attach(plan, timeout=timeout, device=device, trace=trace, serial=serial)
 
     def _check_schedule(self, schedule: Schedule) -> None:
         got, want = schedule.problem, self.problem
@@ -292,7 +296,8 @@ class FusedRank:
                 )
 
     def _attach(
-        self, plan: PipelinePlan, *, timeout: float, device: torch.device | str, trace: bool
+        self, plan: PipelinePlan, *, timeout: float, device: torch.device | str, trace: bool,
+        serial: bool = False,
     ) -> None:
         if self.engine is not None:
             raise RuntimeError(f"rank {self.rank}: the pipeline is already built; close() first")
@@ -302,7 +307,7 @@ class FusedRank:
             )
         comm = PipelineComm(plan, self.rank, timeout=timeout, device=device)
         self.pipeline_plan = plan
-        self.engine = PipelineEngine(plan, comm, self.runners, trace=trace)
+        self.engine = PipelineEngine(plan, comm, self.runners, trace=trace, model_barrier=serial)
 
     def close(self) -> None:
         """Stop the communicator's threads and destroy its process groups (if built); the
