@@ -166,8 +166,9 @@ def main() -> int:
     write_results("e2e", payload, [("Fused loop vs serial baseline", header, table)], notes=[
         "samples/s over iterations 2..N of each run (iteration 1 pays process-group start-up "
         "and schedule planning). Fused = inter-stage fusion (R_t auto) + intra-stage fusion "
-        "(profiled fused pipeline schedule); serial = both off (RLHFuse-Base). Both runs of a "
-        "seed generate the same samples (checked: 'same samples').",
+        "(profiled fused pipeline schedule); serial = both off (RLHFuse-Base: generation, then "
+        "scoring; the Actor's 1F1B pipeline step completes on every rank before the Critic's "
+        "starts). Both runs of a seed generate the same samples (checked: 'same samples').",
         "![per-stage breakdown](e2e_breakdown.png)"])
     breakdown_png(rows, Path(RESULTS_DIR) / "e2e_breakdown.png")
     return 0
