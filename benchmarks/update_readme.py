@@ -50,6 +50,9 @@ def others() -> str:
         d = json.loads(e2e.read_text())
         sp = [r["speedup"] for r in d["rows"]]
         per = ", ".join(f"seed {r['seed']} {r['speedup']:.2f}x" for r in d["rows"])
+        reps = d.get("repeats", 1)
+        if reps > 1:
+            per += f"; each the median of {reps} serial/fused pairs"
         out += [
             f"End to end (`benchmarks/e2e.py`, PPO on the demo's tiny models, {d['world']} "
             f"processes on {d['device']['cpu']}, {d['device']['cpu_cores']} cores, "
