@@ -14,7 +14,7 @@ from test_loop import merged, run, tiny  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 from rlhf_fusion.loop.demo import demo_prompts  # noqa: E402
-from rlhf_fusion.plugins import RLHFLoopStrategy, RLHFModule  # noqa: E402
+from rlhf_fusion.plugins import PromptLoader, RLHFLoopStrategy, RLHFModule  # noqa: E402
 
 
 def loader(n: int) -> DataLoader:
@@ -22,16 +22,19 @@ def loader(n: int) -> DataLoader:
 
 
 def fit(tmp_path, name: str, cfg, *, devices: int, epochs: int, prompts: int = 48,
-        ckpt_path=None, precision="32-true"):
-    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path / name, save_last=True,
-                                               save_top_k=0)
+        ckpt_path=None, precision="32-true", data=None, every_step: bool = False):
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(
+        dirpath=tmp_path / name, save_last=True,
+        **({"every_n_train_steps": 1, "save_top_k": -1, "filename": "{step}"} if every_step
+           else {"save_top_k": 0}))
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, max_epochs=epochs, precision=precision,
         strategy=RLHFLoopStrategy(timeout_s=60) if devices > 1 else "auto",
         logger=L.pytorch.loggers.CSVLogger(tmp_path, name=name), callbacks=[ckpt],
         enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
         log_every_n_steps=1)
-    trainer.fit(RLHFModule(cfg), loader(prompts), ckpt_path=ckpt_path)
+    trainer.fit(RLHFModule(cfg), data if data is not None else loader(prompts),
+                ckpt_path=ckpt_path)
     return tmp_path / name / "last.ckpt", trainer
 
 
@@ -80,6 +83,27 @@ def test_resume_from_an_epoch_checkpoint_is_exact(tmp_path):
     a, b = ckpt_state(resumed), ckpt_state(whole)
     assert max_diff(a, b) == 0.0
     assert max_diff(b, ckpt_state(first)) > 0  # the second epoch trained
+
+
+def test_resume_in_the_middle_of_an_epoch_is_exact(tmp_path):
+    """A step-1 checkpoint of a 3-iteration epoch, resumed: the same prompts and parameters as
+    the uninterrupted run (PromptLoader restarts at batch 1); a plain DataLoader is refused."""
+    prompts = demo_prompts()[:48]
+    whole, _ = fit(tmp_path, "whole", tiny(2), devices=2, epochs=1, every_step=True,
+                   data=PromptLoader(prompts, 16, shuffle=True, seed=7))
+    # One Lightning step per PPO iteration (the ranks ran in spawned processes: read it back).
+    assert torch.load(whole, map_location="cpu", weights_only=False)["global_step"] == 3
+    mid = tmp_path / "whole" / "step=1.ckpt"
+    assert mid.exists()
+    resumed, _ = fit(tmp_path, "resumed", tiny(2), devices=2, epochs=1, ckpt_path=mid,
+                     data=PromptLoader(prompts, 16, shuffle=True, seed=7))
+    assert max_diff(ckpt_state(resumed), ckpt_state(whole)) == 0.0
+    assert max_diff(ckpt_state(whole), ckpt_state(mid)) > 0   # steps 2 and 3 trained
+    one = tiny(1, inter=False, intra=False)
+    fit(tmp_path, "plain", one, devices=1, epochs=1, every_step=True)
+    with pytest.raises(ValueError, match="PromptLoader"):
+        fit(tmp_path, "plain2", one, devices=1, epochs=1,
+            ckpt_path=tmp_path / "plain" / "step=1.ckpt")
 
 
 def test_bf16_mixed_trains_through_the_pipeline(tmp_path):

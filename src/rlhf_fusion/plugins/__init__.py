@@ -14,6 +14,7 @@ from .checkpoint import consolidate_checkpoint
 from .fused_pipeline import FusedPipelineStrategy
 from .launcher import FusedPipelineLauncher
 from .module import FusedPPOModule, log_ppo_stats
+from .prompt_loader import PromptLoader
 from .rlhf_loop import RLHFLoopStrategy
 from .rlhf_module import RLHFModule
 
@@ -26,6 +27,7 @@ __all__ = [
     "FusedPPOModule",
     "FusedPipelineLauncher",
     "FusedPipelineStrategy",
+    "PromptLoader",
     "RLHFLoopStrategy",
     "RLHFModule",
     "consolidate_checkpoint",

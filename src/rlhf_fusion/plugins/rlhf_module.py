@@ -7,9 +7,12 @@ same iteration on one device, unfused: that run is what the fused one must repro
     module = RLHFModule(RLHFConfig(...))
     L.Trainer(strategy=RLHFLoopStrategy(), devices=2, max_epochs=1).fit(module, prompt_loader)
 
-``prompt_loader`` yields batches of prompt strings (``generation.prompts_per_iteration`` each).
-Every iteration logs TRL's PPO metric names (``objective/scores``, ``loss/policy_avg``, ...).
-Checkpoints hold every rank's share and resume exactly.
+``prompt_loader`` yields batches of prompt strings (``generation.prompts_per_iteration`` each);
+:class:`~rlhf_fusion.plugins.PromptLoader` also resumes in the middle of an epoch. Every
+iteration is one Lightning step (``global_step``, ``every_n_train_steps``, ``max_steps`` and
+``log_every_n_steps`` count iterations) and logs TRL's PPO metric names
+(``objective/scores``, ``loss/policy_avg``, ...). Checkpoints hold every rank's share and
+resume exactly, at an epoch's end or, with a stateful loader, within an epoch.
 """
 
 from __future__ import annotations
@@ -72,11 +75,20 @@ class RLHFModule(pl.LightningModule):
         # Generation and scoring run in their own precision (float64 by default), whatever
         # the Trainer's precision plugin set for the step; training runs under it.
         res = self.worker.iteration(prompts)
+        self._count_iteration()
         self.history.append({"iteration": res.metrics.get("episode", 0.0) / want - 1,
                              **res.metrics})
         self.log_dict(res.metrics, on_step=True, on_epoch=False, batch_size=want,
                       rank_zero_only=True)
         return None
+
+    def _count_iteration(self) -> None:
+        # Lightning counts optimizer steps (global_step, every_n_train_steps, max_steps); the
+        # worker steps its own optimizers, so the iteration is counted here, as
+        # LightningOptimizer.step counts a step in manual optimization.
+        progress = self.trainer.fit_loop.epoch_loop.manual_optimization.optim_step_progress
+        progress.increment_ready()
+        progress.increment_completed()
 
     # -- checkpoints: every rank's share, gathered into the one file rank 0 writes ----------------
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
@@ -108,6 +120,16 @@ class RLHFModule(pl.LightningModule):
         if self._pending is not None:
             self._restore(self._pending)
             self._pending = None
+        # A checkpoint written at a batch end counts that batch processed, not yet completed.
+        done = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
+        loader = self.trainer.train_dataloader
+        mid_epoch = 0 < done < self.trainer.num_training_batches
+        if mid_epoch and not (hasattr(loader, "state_dict") and hasattr(loader, "load_state_dict")):
+            raise ValueError(
+                f"resuming in the middle of an epoch ({done} batches done) with a dataloader "
+                "that restarts from its first batch: the run would repeat those prompts. Use "
+                "rlhf_fusion.plugins.PromptLoader (or any loader with state_dict / "
+                "load_state_dict), or resume from a checkpoint written at an epoch's end")
 
     def trained_state(self) -> dict[str, torch.Tensor]:
         """This rank's canonical Actor/Critic parameters (``actor.*``, ``critic.*``)."""
