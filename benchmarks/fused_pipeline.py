@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from _harness import device_info
 
 from rlhf_fusion.launch import run_ranks
 from rlhf_fusion.runtime import (
@@ -60,24 +61,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 
 # -- helpers --------------------------------------------------------------------------------------
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "gpu": gpu,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "load_average_1m_at_start": os.getloadavg()[0],
-    }
+    return {**device_info(), "platform": platform.platform(),
+            "load_average_1m_at_start": os.getloadavg()[0]}
 
 
 def plan_schedule(problem: Problem, solver: str, time_limit: float) -> Schedule:
@@ -475,7 +460,7 @@ def markdown(report: dict) -> str:
     lines = [
         "# Fused pipeline runtime benchmark",
         "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, GPU: {m['gpu'] or 'none'}; torch {m['torch']}, "
+        f"Machine: {m['cpu']}, {m['cpu_cores']} cores, GPU: {m['gpu'] or 'none'}; torch {m['torch']}, "
         f"Python {m['python']}. Command: `{report['command']}`.",
         "",
         "## (a) Emulated compute (each task sleeps its planned time; real gloo p2p between "

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from _harness import device_info
 
 from rlhf_fusion.placement import (
     CallPlacement,
@@ -70,16 +70,7 @@ SHAPE = {"batch": 128, "prompt_len": 128, "gen_len": 128, "ppo_minibatches": 2,
 
 
 def machine() -> dict[str, Any]:
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "platform": platform.platform()}
+    return {**device_info(), "platform": platform.platform()}
 
 
 def problem(hw: Hardware, nodes: int, gpus_per_node: int) -> PlacementProblem:
@@ -195,7 +186,7 @@ def plot(res: EmulationResult, plan: ExecutionPlan, path: Path) -> None:
 
 def markdown(rep: dict[str, Any]) -> str:
     L = ["# Placement estimator vs measured iteration time (emulated compute)", "",
-         f"{rep['date']}, {rep['machine']['cpu']} ({rep['machine']['cores']} cores), torch "
+         f"{rep['date']}, {rep['machine']['cpu']} ({rep['machine']['cpu_cores']} cores), torch "
          f"{rep['machine']['torch']}; 4 gloo processes. 1-minute load average "
          f"{rep['load_before']:.2f} before, {rep['load_after']:.2f} after the run. "
          f"Command: `{rep['command']}`.", "",

@@ -262,39 +262,46 @@ class PPOWorker:
     def train(self, batch: dict[str, Tensor], iteration: int) -> dict[str, float]:
         """PPO epochs x mini-batches; every rank holds the whole batch and takes its rows."""
         p = self.cfg.ppo
-        rows = batch["input_ids"].shape[0]
-        mini = rows // p.num_mini_batches
         replicas = self.world // self.cfg.stages() if self.fused is not None else 1
         replica = self.rank // self.cfg.stages() if self.fused is not None else 0
         sums: dict[str, float] = {}
         steps = 0
+        for mbs in self.mini_batches(batch, iteration, p.micro_batches * replicas):
+            if self.fused is None:
+                out = reference_step(
+                    {"actor": self.models.actor, "critic": self.models.critic}, mbs,
+                    self.optimizers, default_loss_fns(self.ppo), max_grad_norm=p.max_grad_norm)
+            else:
+                mine = mbs[replica * p.micro_batches: (replica + 1) * p.micro_batches]
+                if self.fused.engine is None:
+                    self._plan(mine)
+                out = pipelined_step(self.fused, mine, self.optimizers,
+                                     max_grad_norm=p.max_grad_norm)
+            steps += 1
+            for role, st in out["stats"].items():
+                for name, v in st.items():
+                    key = f"{role}/{name}"
+                    sums[key] = sums.get(key, 0.0) + float(v)
+            for role, v in (out.get("grad_norm") or {}).items():
+                sums[f"{role}/grad_norm"] = sums.get(f"{role}/grad_norm", 0.0) + float(v)
+        means = {k: v / max(steps, 1) for k, v in sums.items()}
+        return trl_training_metrics(means)
+
+    def mini_batches(self, batch: dict[str, Tensor], iteration: int, micro_batches: int
+                     ) -> Iterator[list[dict[str, Tensor]]]:
+        """PPO epochs x mini-batches, each split into ``micro_batches`` micro-batches: the
+        rows are shuffled per epoch by a key every rank (and a serial run) shares."""
+        p = self.cfg.ppo
+        rows = batch["input_ids"].shape[0]
+        mini = rows // p.num_mini_batches
         for epoch in range(p.num_ppo_epochs):
             gen = torch.Generator().manual_seed(self.cfg.generation.seed * 7919 + iteration * 101
                                                 + epoch)
             order = torch.randperm(rows, generator=gen)
             for k in range(p.num_mini_batches):
                 idx = order[k * mini: (k + 1) * mini]
-                part = {key: v[idx] for key, v in batch.items()}
-                mbs = split_micro_batches(part, p.micro_batches * replicas)
-                if self.fused is None:
-                    out = reference_step(
-                        {"actor": self.models.actor, "critic": self.models.critic}, mbs,
-                        self.optimizers, default_loss_fns(self.ppo), max_grad_norm=p.max_grad_norm)
-                else:
-                    mine = mbs[replica * p.micro_batches: (replica + 1) * p.micro_batches]
-                    if self.fused.engine is None:
-                        self._plan(mine)
-                    out = pipelined_step(self.fused, mine, self.optimizers,
-                                         max_grad_norm=p.max_grad_norm)
-                steps += 1
-                for role, st in out["stats"].items():
-                    for name, v in st.items():
-                        key = f"{role}/{name}"
-                        sums[key] = sums.get(key, 0.0) + float(v)
-                for role, v in (out.get("grad_norm") or {}).items():
-                    sums[f"{role}/grad_norm"] = sums.get(f"{role}/grad_norm", 0.0) + float(v)
-        means = {k: v / max(steps, 1) for k, v in sums.items()}
-        return trl_training_metrics(means)
+                yield split_micro_batches({key: v[idx] for key, v in batch.items()},
+                                          micro_batches)
 
     # -- the iteration ---------------------------------------------------------------------------
     @contextlib.contextmanager

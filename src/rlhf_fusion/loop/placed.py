@@ -38,7 +38,6 @@ from ..rollout.local import LocalFusedRollout
 from ..rollout.types import SampleSpec
 from ..runtime.engine import clip_grad_norm_
 from ..runtime.fused import ROLES, default_loss_fns, reference_step
-from ..runtime.microbatch import split_micro_batches
 from .config import RLHFConfig
 from .iteration import PPOWorker, trl_training_metrics
 from .models import Models
@@ -237,25 +236,16 @@ class PlacedPPOWorker(PPOWorker):
         if self.fused is not None:
             return super().train(batch, iteration)
         p = self.cfg.ppo
-        rows = batch["input_ids"].shape[0]
-        mini = rows // p.num_mini_batches
         loss_fns = default_loss_fns(self.ppo)
         sums: dict[str, float] = {}
         steps = 0
-        for epoch in range(p.num_ppo_epochs):
-            gen = torch.Generator().manual_seed(self.cfg.generation.seed * 7919 + iteration * 101
-                                                + epoch)
-            order = torch.randperm(rows, generator=gen)
-            for k in range(p.num_mini_batches):
-                idx = order[k * mini: (k + 1) * mini]
-                part = {key: v[idx] for key, v in batch.items()}
-                mbs = split_micro_batches(part, p.micro_batches)
-                steps += 1
-                for role, call in TRAIN_CALLS.items():
-                    if not self._holds(call):
-                        continue
-                    for name, v in self._dp_step(role, call, mbs, loss_fns).items():
-                        sums[name] = sums.get(name, 0.0) + v
+        for mbs in self.mini_batches(batch, iteration, p.micro_batches):
+            steps += 1
+            for role, call in TRAIN_CALLS.items():
+                if not self._holds(call):
+                    continue
+                for name, v in self._dp_step(role, call, mbs, loss_fns).items():
+                    sums[name] = sums.get(name, 0.0) + v
         # Each training call's first rank reports its model's statistics to everyone.
         lead = {role: self._holds(call) and self._layout(call).ranks[0] == self.rank
                 for role, call in TRAIN_CALLS.items()}
