@@ -1,6 +1,6 @@
 """An execution plan: for each of the six calls a device mesh and a parallel strategy.
 
-The JSON form (``ExecutionPlan.save`` / ``load``) is what the loop will read to run a plan:
+The JSON form (``ExecutionPlan.save`` / ``load``) is what the loop reads to run a plan (``placement: {plan: FILE}``):
 ``{"format": "rlhf-fusion-plan", "version": 1, "cluster": ..., "calls": {call: {"mesh":
 {"group", "nodes": [start, count], "gpus": [start, count], "ranks": [...]}, "dp", "tp", "pp"}},
 "offload": [...], "estimate": {...}}``.
