@@ -13,8 +13,10 @@ The iteration reads the same top to bottom; what changes is who does each part:
    co-located loop.
 2. **Generation + inference** on the generation ranks (their own process group: inter-stage
    fusion migrates the tail among them). If the three inference calls share those ranks, they
-   score finished samples while the tail decodes; otherwise the samples go to every rank, each
-   inference mesh scores its round-robin share and the scores are gathered back.
+   score finished samples while the tail decodes (the co-located loop's streaming). Otherwise
+   every finished sample goes, as it finishes, into one queue per inference call (the c10d
+   store), and the call's ranks score what arrives while generation goes on (a rank that also
+   generates joins once its generation is done); the scores are gathered back.
 3. **Advantages** on every rank from the whole batch (cheap, identical everywhere).
 4. **Training**: data parallel on each training call's ranks (the mini-batch's micro-batches
    shared in order, gradients summed over the call's group), or the fused pipeline.
@@ -26,6 +28,8 @@ created once, in one order, at construction.
 from __future__ import annotations
 
 import copy
+import pickle
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -190,38 +194,68 @@ class PlacedPPOWorker(PPOWorker):
         f = self.cfg.fusion
         fused = f.inter and len(gen.ranks) > 1
         rt = self.rt_planner.rt() if fused else None  # collective over every rank
+        # Inference elsewhere: every finished sample goes to one queue per inference call as
+        # it finishes, and the calls' ranks score it while generation goes on.
+        stream = None if self.placement.streamed_inference else _CallQueues(
+            self.iteration_index, self.cfg.fusion.timeout_s)
         out_box: list[Any] = [None]
         if self._holds("actor_gen"):
             from ..rollout import RolloutConfig, run_rollout
 
+            backend = self.backend if stream is None else _Publishing(self.backend, stream.push)
             rcfg = RolloutConfig(fused=fused, rt=rt, mechanism=f.mechanism,
                                  timeout_s=f.timeout_s, report_every=16)
             if len(gen.ranks) == 1:
-                res = LocalFusedRollout([self.backend], self.inference).run(specs)
+                res = LocalFusedRollout([backend], self.inference).run(specs)
                 out_box[0] = (res.results, res.experiences, {"ranks": []})
             else:
-                out = run_rollout(self.backend, self.inference, specs, rcfg,
+                out = run_rollout(backend, self.inference, specs, rcfg,
                                   bs_max=self.cfg.generation.bs_max,
                                   group=self.groups[gen.ranks])
                 out_box[0] = (out.results, out.experiences, out.stats)
+            if stream is not None:
+                stream.generation_done()
+        scored = self._consume(stream, len(gen.ranks)) if stream is not None else None
         # The generation ranks' first member hands the batch to everyone.
         dist.broadcast_object_list(out_box, src=gen.ranks[0])
         results, exps, stats = out_box[0]
         if exps is None:
-            exps = self._score_placed(results)
+            exps = self._gather_scores(results, scored or {})
+        if stream is not None and self.rank == 0:
+            stream.clear()
         return exps, {**stats, "rt": rt}
 
-    def _score_placed(self, results: Sequence[Any]) -> list[Experience]:
-        """Each inference mesh scores its round-robin share; every rank gets every score."""
-        mine: dict[str, list[tuple[int, dict[str, object]]]] = {}
-        for call, scorer in self.scorers.items():
-            lay = self._layout(call)
-            share = list(results)[lay.index(self.rank)::lay.dp]
-            t = _now()
-            parts = scorer.score_parts(share)
-            self._scoring.append((sum(len(s.prompt_ids) + len(s.token_ids) for s in share),
-                                  _now() - t))
-            mine[call] = [(s.sample_id, p) for s, p in zip(share, parts)]
+    def _consume(self, stream: _CallQueues, generators: int
+                 ) -> dict[str, list[tuple[int, dict[str, object]]]]:
+        """Score this rank's inference calls' samples as they arrive, until generation is done
+        on every generation rank and the queues are empty."""
+        mine: dict[str, list[tuple[int, dict[str, object]]]] = {c: [] for c in self.scorers}
+        idle = 0.001
+        while True:
+            busy = False
+            for call, scorer in self.scorers.items():
+                batch = stream.pop(call, scorer.micro_batch)
+                if batch:
+                    busy = True
+                    t = _now()
+                    parts = scorer.score_parts(batch)
+                    self._scoring.append((sum(len(x.prompt_ids) + len(x.token_ids)
+                                              for x in batch), _now() - t))
+                    mine[call].extend((x.sample_id, q) for x, q in zip(batch, parts))
+            if busy:
+                idle = 0.001
+                stream.progressed()
+                continue
+            if stream.finished(generators, list(self.scorers)):
+                return mine
+            stream.check_deadline(self.rank)
+            time.sleep(idle)
+            idle = min(2 * idle, 0.008)
+
+    def _gather_scores(self, results: Sequence[Any],
+                       mine: dict[str, list[tuple[int, dict[str, object]]]]
+                       ) -> list[Experience]:
+        """Every rank gets every score (each call's samples were scored once, somewhere)."""
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, mine)
         by_id: dict[int, list[dict[str, object]]] = {s.sample_id: [] for s in results}
@@ -306,9 +340,78 @@ class PlacedPPOWorker(PPOWorker):
 
 
 def _now() -> float:
-    import time
-
     return time.perf_counter()
+
+
+class _Publishing:
+    """A generation backend that hands every sample it finishes to ``publish`` (a migrated
+    sample finishes, and is published, once: on the rank that decoded its last token)."""
+
+    def __init__(self, inner: Any, publish: Any) -> None:
+        self._inner = inner
+        self._publish = publish
+
+    def step(self) -> Any:
+        finished = self._inner.step()
+        if finished:
+            self._publish(finished)
+        return finished
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+class _CallQueues:
+    """One c10d-store queue per inference call for one iteration, and a count of the
+    generation ranks that are done."""
+
+    def __init__(self, iteration: int, timeout_s: float) -> None:
+        self.store = dist.distributed_c10d._get_default_store()
+        self.prefix = f"rlhf_fusion/placed/{iteration}/"
+        self.timeout_s = timeout_s
+        self.progressed()
+
+    def key(self, name: str) -> str:
+        return self.prefix + name
+
+    def push(self, samples: Sequence[Any]) -> None:
+        for x in samples:
+            blob = pickle.dumps(x)
+            for call in INFERENCE_CALLS:
+                self.store.queue_push(self.key(call), blob)
+
+    def pop(self, call: str, most: int) -> list[Any]:
+        out: list[Any] = []
+        while len(out) < most:
+            try:
+                out.append(pickle.loads(self.store.queue_pop(self.key(call), False)))
+            except dist.QueueEmptyError:
+                break
+        return out
+
+    def generation_done(self) -> None:
+        self.store.add(self.key("generation_done"), 1)
+
+    def finished(self, generators: int, calls: Sequence[str]) -> bool:
+        if int(self.store.add(self.key("generation_done"), 0)) < generators:
+            return False
+        return all(self.store.queue_len(self.key(c)) == 0 for c in calls)
+
+    def progressed(self) -> None:
+        self.deadline = time.perf_counter() + self.timeout_s
+
+    def check_deadline(self, rank: int) -> None:
+        if time.perf_counter() > self.deadline:
+            raise TimeoutError(
+                f"rank {rank}: no generated sample to score for {self.timeout_s:g}s "
+                "(fusion.timeout_s) and generation not done; a generation rank died or hung")
+
+    def clear(self) -> None:
+        for name in (*INFERENCE_CALLS, "generation_done"):
+            try:
+                self.store.delete_key(self.key(name))
+            except Exception:
+                pass  # best effort: keys are namespaced per iteration
 
 
 def make_worker(cfg: RLHFConfig, *, models: Models | None = None,
