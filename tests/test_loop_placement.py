@@ -46,6 +46,17 @@ def test_preset_equals_colocated(colocated, preset):
         assert h["realloc/bytes"] > 0
 
 
+def test_inference_on_other_ranks_scores_while_generation_runs():
+    """interleaved2: ranks 2 and 3 hold the Reward and the Critic, not the generator; they
+    score samples streamed from ranks 0 and 1 before the last one is generated."""
+    res = run(tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(preset="interleaved2")))
+    for tl in res["timelines"]:
+        gen_end = max(r["generation_end_s"] for r in tl["ranks"])
+        others = [s for s in tl["scorers"] if s["rank"] in (2, 3)]
+        assert {s["rank"] for s in others} == {2, 3}
+        assert min(s["first_score_s"] for s in others) < gen_end
+
+
 def tiny_problem() -> PlacementProblem:
     return PlacementProblem.from_dict({
         "models": {"actor": {"params": 2e5, "layers": 4, "hidden": 32, "vocab": 64,

@@ -362,7 +362,7 @@ class PPOWorker:
         self.iteration_index += 1
         timeline = {"t0": t0, "sync": (0.0, t1 - t0), "rollout": (t1 - t0, t2 - t0),
                     "advantages": (t2 - t0, t3 - t0), "training": (t3 - t0, t4 - t0),
-                    "ranks": stats.get("ranks", [])}
+                    "ranks": stats.get("ranks", []), "scorers": stats.get("scorers", [])}
         return IterationResult(metrics, exps, timeline)
 
     # -- state for checkpoints and exactness checks ----------------------------------------------

@@ -194,6 +194,8 @@ class PlacedPPOWorker(PPOWorker):
         f = self.cfg.fusion
         fused = f.inter and len(gen.ranks) > 1
         rt = self.rt_planner.rt() if fused else None  # collective over every rank
+        self._t0 = _now()   # every rank leaves the collective above together
+        self._scored_at: list[float] = []
         # Inference elsewhere: every finished sample goes to one queue per inference call as
         # it finishes, and the calls' ranks score it while generation goes on.
         stream = None if self.placement.streamed_inference else _CallQueues(
@@ -220,7 +222,8 @@ class PlacedPPOWorker(PPOWorker):
         dist.broadcast_object_list(out_box, src=gen.ranks[0])
         results, exps, stats = out_box[0]
         if exps is None:
-            exps = self._gather_scores(results, scored or {})
+            exps, scorers = self._gather_scores(results, scored or {})
+            stats = {**stats, "scorers": scorers}
         if stream is not None and self.rank == 0:
             stream.clear()
         return exps, {**stats, "rt": rt}
@@ -238,6 +241,7 @@ class PlacedPPOWorker(PPOWorker):
                 if batch:
                     busy = True
                     t = _now()
+                    self._scored_at.append(t - self._t0)
                     parts = scorer.score_parts(batch)
                     self._scoring.append((sum(len(x.prompt_ids) + len(x.token_ids)
                                               for x in batch), _now() - t))
@@ -254,16 +258,21 @@ class PlacedPPOWorker(PPOWorker):
 
     def _gather_scores(self, results: Sequence[Any],
                        mine: dict[str, list[tuple[int, dict[str, object]]]]
-                       ) -> list[Experience]:
-        """Every rank gets every score (each call's samples were scored once, somewhere)."""
+                       ) -> tuple[list[Experience], list[dict[str, Any]]]:
+        """Every rank gets every score (each call's samples were scored once, somewhere), and
+        when each rank scored (seconds since the rollout started: first and last batch)."""
+        at = self._scored_at
         gathered: list[Any] = [None] * self.world
-        dist.all_gather_object(gathered, mine)
+        dist.all_gather_object(gathered, (mine, (min(at), max(at)) if at else None))
         by_id: dict[int, list[dict[str, object]]] = {s.sample_id: [] for s in results}
-        for rep in gathered:
+        scorers = []
+        for rank, (rep, span) in enumerate(gathered):
             for pairs in rep.values():
                 for sid, part in pairs:
                     by_id[sid].append(part)
-        return [merge_parts(s, by_id[s.sample_id]) for s in results]
+            if span is not None:
+                scorers.append({"rank": rank, "first_score_s": span[0], "last_score_s": span[1]})
+        return [merge_parts(s, by_id[s.sample_id]) for s in results], scorers
 
     # -- 4. training -----------------------------------------------------------------------------
     def train(self, batch: dict[str, Tensor], iteration: int) -> dict[str, float]:
