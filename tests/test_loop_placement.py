@@ -117,6 +117,9 @@ def test_bad_placements_are_rejected_before_start(tmp_path):
     with pytest.raises(LoopConfigError, match="remove them"):
         tiny(WORLD, micro_batches=MICRO, pipeline_stages=2,
              placement=PlacementSection(preset="colocated")).validate()
+    with pytest.raises(LoopConfigError, match="write one with `rlhf-fusion plan"):
+        tiny(WORLD, micro_batches=MICRO,
+             placement=PlacementSection(plan=str(tmp_path / "missing.json"))).validate()
     plan = json.loads(open(_plan_file(tmp_path)).read())
     plan["cluster"]["groups"][0]["gpus_per_node"] = 8
     other = tmp_path / "eight.json"

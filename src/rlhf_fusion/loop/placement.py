@@ -95,7 +95,16 @@ def resolve(preset: str | None, plan: str | Path | None, world_size: int,
     cluster = Cluster.uniform(1, world_size)
     try:
         if plan is not None:
-            raw = json.loads(Path(plan).read_text())
+            try:
+                raw = json.loads(Path(plan).read_text())
+            except FileNotFoundError:
+                raise PlacementConfigError(
+                    f"placement.plan: no file {plan}; write one with `rlhf-fusion plan "
+                    "CONFIG --out DIR` (DIR/plan.json) or use placement.preset") from None
+            except json.JSONDecodeError as exc:
+                raise PlacementConfigError(
+                    f"placement.plan: {plan} is not JSON ({exc}); pass the plan.json that "
+                    "`rlhf-fusion plan` wrote") from None
             if "cluster" in raw:
                 cluster = Cluster.from_dict(raw["cluster"])
             if cluster.size != world_size:
