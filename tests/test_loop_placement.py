@@ -75,6 +75,15 @@ def test_searched_plan_equals_colocated(colocated, tmp_path):
     assert_same_run(colocated, res)
 
 
+def test_plan_searched_at_start_equals_colocated(colocated, tmp_path):
+    """placement.search: one search before the ranks start, among what the loop executes."""
+    res = run(tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(search=2.0)),
+              out_dir=tmp_path)
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert all(c["tp"] == 1 and c["pp"] == 1 for c in plan["calls"].values())
+    assert_same_run(colocated, res)
+
+
 def test_two_rank_disaggregated_generates_on_one_instance():
     base = run(tiny(2, inter=False, pipeline_stages=2, micro_batches=2))
     res = run(tiny(2, micro_batches=2, placement=PlacementSection(preset="disaggregated")))
@@ -117,6 +126,11 @@ def test_bad_placements_are_rejected_before_start(tmp_path):
     with pytest.raises(LoopConfigError, match="remove them"):
         tiny(WORLD, micro_batches=MICRO, pipeline_stages=2,
              placement=PlacementSection(preset="colocated")).validate()
+    with pytest.raises(LoopConfigError, match="one of preset, plan or search"):
+        tiny(WORLD, micro_batches=MICRO,
+             placement=PlacementSection(preset="interleaved", search=5.0)).validate()
+    with pytest.raises(LoopConfigError, match="search time in seconds"):
+        tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(search=0.0)).validate()
     with pytest.raises(LoopConfigError, match="write one with `rlhf-fusion plan"):
         tiny(WORLD, micro_batches=MICRO,
              placement=PlacementSection(plan=str(tmp_path / "missing.json"))).validate()

@@ -120,10 +120,12 @@ class PlacementSection:
     preset: str | None = None
     plan: str | None = None
     inference_fraction: float = 0.5
+    search: float | None = None       # seconds: search a plan at start (rlhf-fusion train)
+    hardware: str = "a100-80g"        # the devices the search plans for
 
     @property
     def given(self) -> bool:
-        return self.preset is not None or self.plan is not None
+        return self.preset is not None or self.plan is not None or self.search is not None
 
 
 @dataclass
@@ -269,6 +271,13 @@ class RLHFConfig:
         pl = self.placement
         if not pl.given:
             return None
+        if pl.search is not None:
+            if pl.preset is not None or pl.plan is not None:
+                raise LoopConfigError("placement: give one of preset, plan or search")
+            if not pl.search > 0:
+                raise LoopConfigError(f"placement.search: {pl.search!r}; give the search "
+                                      "time in seconds (> 0)")
+            return None   # resolved once, before the processes start (loop.placement.search)
         if self.fusion.pipeline_stages is not None or self.fusion.critic_stages is not None:
             raise LoopConfigError(
                 "fusion.pipeline_stages / critic_stages: under a placement the training "

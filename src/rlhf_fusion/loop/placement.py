@@ -148,6 +148,31 @@ def resolve(preset: str | None, plan: str | Path | None, world_size: int,
     return LoopPlacement(name, out)
 
 
+def search_plan(cfg: Any, prompt_len: float, out: str | Path) -> str:
+    """Search a plan for ``cfg`` (``placement.search`` seconds, ``placement.hardware``) among
+    the plans the loop executes (tp = 1, no pipelines), write it to ``out`` and return the
+    path. Run once, before the processes start: every rank must run the same plan."""
+    from ..placement import Cluster, PlacementError, PlacementProblem, resolve_model, search
+    from .models import model_shapes
+
+    pl, g, p = cfg.placement, cfg.generation, cfg.ppo
+    try:
+        shapes = {role: resolve_model(sh, f"models.{role}")
+                  for role, sh in model_shapes(cfg.models).items()}
+        problem = PlacementProblem(
+            models=shapes, cluster=Cluster.uniform(1, cfg.world_size, pl.hardware),
+            batch=g.prompts_per_iteration, prompt_len=max(1, round(prompt_len)),
+            gen_len=g.max_new_tokens, ppo_minibatches=p.num_mini_batches,
+            ppo_epochs=p.num_ppo_epochs, max_tp=1, max_pp=1, name="loop")
+        found = search(problem, time_limit=float(pl.search), seed=0)
+    except PlacementError as exc:
+        raise PlacementConfigError(f"placement.search: {exc}") from exc
+    path = Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    found.plan.save(path, problem.cluster)
+    return str(path)
+
+
 def placement_dict(p: LoopPlacement) -> dict[str, Any]:
     return {"name": p.name, "calls": {c: {"ranks": list(lay.ranks), "dp": lay.dp, "pp": lay.pp}
                                       for c, lay in p.calls.items()}}

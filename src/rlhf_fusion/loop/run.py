@@ -69,6 +69,8 @@ def train(cfg: RLHFConfig, prompts: Sequence[str], *, out_dir: str | Path | None
     if empty:
         raise LoopConfigError(f"prompts: {len(empty)} prompts encode to no tokens (first: line "
                               f"{empty[0] + 1}); remove them")
+    if cfg.placement.search is not None:
+        cfg = _with_searched_plan(cfg, prompt_ids, out_dir)
     args = (cfg, prompt_ids, str(out_dir) if out_dir else None, checkpoint_every, resume,
             progress, stop_after, timeline_serial, keep_experiences)
     if cfg.world_size == 1:
@@ -83,6 +85,28 @@ def train(cfg: RLHFConfig, prompts: Sequence[str], *, out_dir: str | Path | None
     out = results[0].value
     out["states"] = [r.value["state"] for r in results]
     return out
+
+
+def _with_searched_plan(cfg: RLHFConfig, prompt_ids: Sequence[Sequence[int]],
+                        out_dir: str | Path | None) -> RLHFConfig:
+    """Search the plan once, here, and hand every rank the same file."""
+    import tempfile
+
+    from .placement import PlacementConfigError, search_plan
+
+    where = (Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="rlhf-fusion-"))) \
+        / "plan.json"
+    try:
+        path = search_plan(cfg, sum(map(len, prompt_ids)) / len(prompt_ids), where)
+    except PlacementConfigError as exc:
+        raise LoopConfigError(str(exc)) from exc
+    cfg = copy.deepcopy(cfg)
+    cfg.placement.search = None
+    cfg.placement.plan = path
+    cfg.validate()
+    print(f"placement: searched plan written to {path}\n{cfg.loop_placement().describe()}",
+          file=sys.stderr)
+    return cfg
 
 
 def _ckpt_dir(out_dir: str, it: int) -> Path:

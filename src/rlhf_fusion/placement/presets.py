@@ -162,7 +162,8 @@ def cluster_meshes(cl: Cluster, placement: Placement) -> dict[str, DeviceMesh]:
 
 def _ladder(mesh: DeviceMesh, problem: PlacementProblem, model: str) -> list[ParallelStrategy]:
     """Strategies by growing model-parallel degree, tensor parallelism first."""
-    ss = strategies_for(mesh, problem.models[model])
+    ss = strategies_for(mesh, problem.models[model], max_tp=problem.max_tp,
+                        max_pp=problem.max_pp)
     return sorted(ss, key=lambda s: (s.tp * s.pp, s.pp, s.tp))
 
 

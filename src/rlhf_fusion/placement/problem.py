@@ -44,6 +44,10 @@ class PlacementProblem:
     iterations: int = 2              # iterations Algorithm 1 simulates
     min_mesh_gpus: int = 0           # 0: 1 on clusters of <= 8 GPUs, else 4 (ReaLHF's default)
     name: str = ""
+    # What the runtime that will execute the plan can do (the loop: no tensor parallelism, no
+    # pipeline for one model alone): strategies beyond these are never proposed.
+    max_tp: int = 8
+    max_pp: int | None = None
 
     def __post_init__(self) -> None:
         missing = [m for m in MODELS if m not in self.models]

@@ -53,16 +53,17 @@ def check_strategy(s: ParallelStrategy, mesh: DeviceMesh, model: ModelShape) -> 
         raise PlacementError(f"{s}: pp={s.pp} exceeds the model's {model.layers} layers")
 
 
-def strategies_for(mesh: DeviceMesh, model: ModelShape, *, max_tp: int = 8) -> list[ParallelStrategy]:
+def strategies_for(mesh: DeviceMesh, model: ModelShape, *, max_tp: int = 8,
+                   max_pp: int | None = None) -> list[ParallelStrategy]:
     """Every (dp, tp, pp) that fits ``mesh``: tp divides the node slice (and at most
-    ``max_tp``), pp at most the layer count."""
+    ``max_tp``), pp at most the layer count (and ``max_pp``)."""
     out = []
     for tp in _divisors(mesh.n_gpus):
         if tp > max_tp:
             continue
         rest = mesh.size // tp
         for pp in _divisors(rest):
-            if pp > model.layers:
+            if pp > model.layers or (max_pp is not None and pp > max_pp):
                 continue
             out.append(ParallelStrategy(rest // pp, tp, pp))
     return out
