@@ -45,8 +45,8 @@ from ..runtime.fused import ROLES, default_loss_fns, reference_step
 from .config import RLHFConfig
 from .iteration import PPOWorker, trl_training_metrics
 from .models import Models
-from .placement import INFERENCE_CALLS, TRAIN_CALLS, LoopPlacement
-from .rt import RtPlanner, timed_scoring
+from .placement import INFERENCE_CALLS, TRAIN_CALL, LoopPlacement
+from .rt import RtPlanner, TimedBackend, timed_scoring
 
 # The Critic-inference copy is the model ``critic_inf`` scores with; the Actor's generation
 # copy lives in the backend.
@@ -98,7 +98,7 @@ class PlacedPPOWorker(PPOWorker):
         m, pad = self.models, self.tokenizer.pad_token_id
         # What the weight sync moves, known on every rank (before unplaced models are dropped).
         self._tables = {role: param_table(getattr(m, role), role) for role in ROLES}
-        self.backend = (self._timed(self._generation_backend()) if self._holds("actor_gen")
+        self.backend = (TimedBackend(self._generation_backend()) if self._holds("actor_gen")
                         else _NoGeneration())
         held = {call: self._holds(call) for call in INFERENCE_CALLS}
         models = {"ref_inf": m.ref if held["ref_inf"] else None,
@@ -113,27 +113,21 @@ class PlacedPPOWorker(PPOWorker):
             self.scorers: dict[str, InferenceModels] = {}
         else:
             self.inference = None  # type: ignore[assignment]
-            only = {c: {k: (v if k == c else None) for k, v in models.items()}
-                    for c in INFERENCE_CALLS if held[c]}
-            self.scorers = {c: InferenceModels(ms["ref_inf"], ms["reward_inf"], ms["critic_inf"],
+            # One scorer per call this rank serves, holding that call's model only.
+            self.scorers = {c: InferenceModels(*(models[k] if k == c else None
+                                                 for k in INFERENCE_CALLS),
                                                micro_batch=4, device=self.device, pad_id=pad)
-                            for c, ms in only.items()}
+                            for c in INFERENCE_CALLS if held[c]}
         # A rank keeps only the frozen models it serves.
         if not held["ref_inf"]:
             m.ref = None
-
-    @staticmethod
-    def _timed(backend: Any) -> Any:
-        from .rt import TimedBackend
-
-        return TimedBackend(backend)
 
     def _setup_training(self) -> None:
         if self.placement.fused_training:
             super()._setup_training()
             return
         params = {}
-        for role, call in TRAIN_CALLS.items():
+        for role, call in TRAIN_CALL.items():
             if self._holds(call):
                 params[role] = list(getattr(self.models, role).parameters())
             else:
@@ -149,7 +143,7 @@ class PlacedPPOWorker(PPOWorker):
     def training_modules(self) -> dict[str, torch.nn.Module]:
         if self.fused is not None:
             return super().training_modules()
-        return {role: getattr(self.models, role) for role, call in TRAIN_CALLS.items()
+        return {role: getattr(self.models, role) for role, call in TRAIN_CALL.items()
                 if self._holds(call)}
 
     # -- 1. weight sync --------------------------------------------------------------------------
@@ -167,7 +161,7 @@ class PlacedPPOWorker(PPOWorker):
 
         moved = minimum = 0
         for role in ROLES:
-            train, target = TRAIN_CALLS[role], SYNC_TARGET[role]
+            train, target = TRAIN_CALL[role], SYNC_TARGET[role]
             local = (dict(getattr(self.models, role).named_parameters())
                      if self._holds(train) else None)
             # Whole copies on both sides: every piece comes from the least-loaded holder.
@@ -194,7 +188,7 @@ class PlacedPPOWorker(PPOWorker):
         f = self.cfg.fusion
         fused = f.inter and len(gen.ranks) > 1
         rt = self.rt_planner.rt() if fused else None  # collective over every rank
-        self._t0 = _now()   # every rank leaves the collective above together
+        self._t0 = time.perf_counter()   # every rank leaves the collective above together
         self._scored_at: list[float] = []
         # Inference elsewhere: every finished sample goes to one queue per inference call as
         # it finishes, and the calls' ranks score it while generation goes on.
@@ -240,11 +234,11 @@ class PlacedPPOWorker(PPOWorker):
                 batch = stream.pop(call, scorer.micro_batch)
                 if batch:
                     busy = True
-                    t = _now()
+                    t = time.perf_counter()
                     self._scored_at.append(t - self._t0)
                     parts = scorer.score_parts(batch)
                     self._scoring.append((sum(len(x.prompt_ids) + len(x.token_ids)
-                                              for x in batch), _now() - t))
+                                              for x in batch), time.perf_counter() - t))
                     mine[call].extend((x.sample_id, q) for x, q in zip(batch, parts))
             if busy:
                 idle = 0.001
@@ -284,14 +278,14 @@ class PlacedPPOWorker(PPOWorker):
         steps = 0
         for mbs in self.mini_batches(batch, iteration, p.micro_batches):
             steps += 1
-            for role, call in TRAIN_CALLS.items():
+            for role, call in TRAIN_CALL.items():
                 if not self._holds(call):
                     continue
                 for name, v in self._dp_step(role, call, mbs, loss_fns).items():
                     sums[name] = sums.get(name, 0.0) + v
         # Each training call's first rank reports its model's statistics to everyone.
         lead = {role: self._holds(call) and self._layout(call).ranks[0] == self.rank
-                for role, call in TRAIN_CALLS.items()}
+                for role, call in TRAIN_CALL.items()}
         mine = {k: v for k, v in sums.items() if lead[k.split("/")[0]]}
         gathered: list[Any] = [None] * self.world
         dist.all_gather_object(gathered, mine)
@@ -335,7 +329,7 @@ class PlacedPPOWorker(PPOWorker):
         if self.fused is not None:
             return super().canonical_state()
         out: dict[str, Tensor] = {}
-        for role, call in TRAIN_CALLS.items():
+        for role, call in TRAIN_CALL.items():
             if self._holds(call) and self._layout(call).ranks[0] == self.rank:
                 for k, v in getattr(self.models, role).named_parameters():
                     out[f"{role}.{k}"] = v.detach().clone()
@@ -346,10 +340,6 @@ class PlacedPPOWorker(PPOWorker):
             super().set_fusion(inter=inter, intra=intra)
             return
         self.cfg.fusion.inter, self.cfg.fusion.intra = inter, intra
-
-
-def _now() -> float:
-    return time.perf_counter()
 
 
 class _Publishing:

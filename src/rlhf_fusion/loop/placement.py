@@ -28,9 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-CALLS = ("actor_gen", "ref_inf", "reward_inf", "critic_inf", "actor_train", "critic_train")
-INFERENCE_CALLS = ("ref_inf", "reward_inf", "critic_inf")
-TRAIN_CALLS = {"actor": "actor_train", "critic": "critic_train"}
+from ..placement.graph import CALL_KIND, CALLS, TRAIN_CALL
+
+INFERENCE_CALLS = tuple(c for c in CALLS if CALL_KIND[c] == "inference")
 
 
 class PlacementConfigError(ValueError):
@@ -132,7 +132,7 @@ def resolve(preset: str | None, plan: str | Path | None, world_size: int,
         if dp * pp != len(ranks):
             raise PlacementConfigError(f"placement: {c} has dp*pp={dp * pp} on {len(ranks)} "
                                        "ranks; dp*tp*pp must equal the mesh size")
-        if pp > 1 and c not in TRAIN_CALLS.values():
+        if pp > 1 and c not in TRAIN_CALL.values():
             raise PlacementConfigError(
                 f"placement: {c} has pp={pp}; the loop runs generation and inference on whole "
                 "copies (pp=1)")
@@ -171,8 +171,3 @@ def search_plan(cfg: Any, prompt_len: float, out: str | Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     found.plan.save(path, problem.cluster)
     return str(path)
-
-
-def placement_dict(p: LoopPlacement) -> dict[str, Any]:
-    return {"name": p.name, "calls": {c: {"ranks": list(lay.ranks), "dp": lay.dp, "pp": lay.pp}
-                                      for c, lay in p.calls.items()}}
