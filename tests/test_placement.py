@@ -349,27 +349,31 @@ def test_fusion_hooks_change_the_estimate():
 
 # -- parameter reallocation ------------------------------------------------------------------
 
-def _layouts(cl: Cluster, layers: int) -> list[Layout]:
+def _layouts(cl: Cluster, layers: int, zero3: bool = False) -> list[Layout]:
     model = resolve_model({"params": 1e6, "layers": layers, "hidden": 64})
-    return [Layout(m, s) for m in enumerate_meshes(cl, 1) for s in strategies_for(m, model)]
+    return [Layout(m, s) for m in enumerate_meshes(cl, 1)
+            for s in strategies_for(m, model, zero3=zero3)]
 
 
 def test_reallocation_round_trips_are_exact_and_move_the_minimum():
     cl = Cluster.uniform(2, 2)
-    layers, cols = 4, 4     # every tp in {1, 2} and pp in {1, 2, 4} cuts on this grid
+    # every tp in {1, 2} and pp in {1, 2, 4} cuts on this grid, and a ZeRO-3 run of 1/dp of a
+    # stage's layers (dp <= 4) on the 4x finer layer grid
+    layers, cols, fine = 4, 4, 4
     model = resolve_model({"params": 1e6, "layers": layers, "hidden": 64})
-    truth = np.arange(layers * cols, dtype=np.float64).reshape(layers, cols) * 1.37
-    layouts = _layouts(cl, layers)
-    assert len(layouts) > 10
+    truth = np.arange(layers * fine * cols, dtype=np.float64).reshape(layers * fine, cols) * 1.37
+    layouts = _layouts(cl, layers, zero3=True)
+    assert len(layouts) > 10 and any(lay.strategy.zero == 3 for lay in layouts)
 
     def cells(rect):
         l0, l1, c0, c1 = rect
-        return slice(l0, l1), slice(int(c0 * cols), int(c1 * cols))
+        assert l0 * fine == int(l0 * fine) and l1 * fine == int(l1 * fine)
+        return slice(int(l0 * fine), int(l1 * fine)), slice(int(c0 * cols), int(c1 * cols))
 
     def materialise(lay: Layout) -> dict[int, np.ndarray]:
         out = {}
         for r, rect in lay.shards(layers).items():
-            buf = np.full((layers, cols), np.nan)
+            buf = np.full((layers * fine, cols), np.nan)
             buf[cells(rect)] = truth[cells(rect)]
             out[r] = buf
         return out
@@ -378,7 +382,7 @@ def test_reallocation_round_trips_are_exact_and_move_the_minimum():
         rp = plan_realloc(model, src, dst, cl)
         new = {}
         for r, rect in dst.shards(layers).items():
-            buf = np.full((layers, cols), np.nan)
+            buf = np.full((layers * fine, cols), np.nan)
             if r in state:   # what a rank already holds stays
                 own = state[r]
                 mask = ~np.isnan(own)
@@ -386,7 +390,7 @@ def test_reallocation_round_trips_are_exact_and_move_the_minimum():
                 keep[cells(rect)] = True
                 buf[mask & keep] = own[mask & keep]
             new[r] = buf
-        got = {r: np.zeros((layers, cols), int) for r in new}
+        got = {r: np.zeros((layers * fine, cols), int) for r in new}
         for t in rp.transfers:
             sl = cells((t.layers[0], t.layers[1], t.columns[0], t.columns[1]))
             assert not np.isnan(state[t.src][sl]).any(), "a source sends what it does not hold"
@@ -396,7 +400,7 @@ def test_reallocation_round_trips_are_exact_and_move_the_minimum():
         assert rp.bytes == pytest.approx(rp.min_bytes)
         assert rp.ib_bytes + 1e-9 >= rp.min_ib_bytes
         for r, rect in dst.shards(layers).items():
-            exp = np.full((layers, cols), np.nan)
+            exp = np.full((layers * fine, cols), np.nan)
             exp[cells(rect)] = truth[cells(rect)]
             np.testing.assert_array_equal(new[r], exp)
         return new
@@ -421,3 +425,103 @@ def test_reallocation_prefers_the_cheapest_source():
     assert rp.ib_bytes == rp.min_ib_bytes == 0
     assert sum(t.nbytes for t in rp.transfers) == pytest.approx(model.param_bytes / 2)
     assert rp.transfers[0].columns == (Fraction(1, 2), Fraction(1))
+
+
+# -- ZeRO-3 -------------------------------------------------------------------------------------
+
+def test_zero3_strategy_round_trips_through_a_plan_file():
+    p = problem(parallelism="zero3")
+    plan = preset_plan(p, "colocated")
+    assert plan.calls["actor_train"].strategy == ParallelStrategy(2, 1, 1, 3)
+    assert "zero" in plan.table().splitlines()[0]
+    back = ExecutionPlan.from_dict(plan.to_dict(p.cluster), p.cluster)
+    assert back.key() == plan.key()
+    assert ParallelStrategy(1, 2, 1, 3) == ParallelStrategy(1, 2, 1)   # one rank: no sharding
+    assert "zero" not in preset_plan(problem(), "colocated").table()
+    with pytest.raises(PlacementError, match="parallelism"):
+        problem(parallelism="zero2")
+
+
+def test_zero3_shards_tile_each_replica_once_and_cost_what_zero3_costs():
+    cl = Cluster.uniform(2, 8)
+    model = resolve_model("llama-7b")
+    node0, both = make_mesh(cl, "main", 0, 1), make_mesh(cl, "main", 0, 2)
+    z = ParallelStrategy(16, 1, 1, 3)
+    shards = Layout(both, z).shards(model.layers)
+    assert sum((l1 - l0) * (c1 - c0) for l0, l1, c0, c1 in shards.values()) == model.layers
+    p = PlacementProblem.from_dict({"models": {"actor": "llama-7b"},
+                                    "cluster": {"nodes": 2, "gpus_per_node": 8},
+                                    "batch": 256, "prompt_len": 256, "gen_len": 256})
+    c = CostModel(p)
+    # static: everything sharded over dp (16 B/param) against Megatron's replicated weights
+    assert c.static_bytes("actor", z, True) == pytest.approx(16 * model.params / 16)
+    assert c.static_bytes("actor", ParallelStrategy(16, 1, 1), True) == pytest.approx(
+        model.params * (4 + 12 / 16))
+    assert c.static_bytes("ref", z, False) == pytest.approx(2 * model.params / 16)
+    # a gather over InfiniBand (two nodes) is slower than over NVLink (one node)
+    g_ib = c.zero_gather("actor_train", both, z)
+    g_nv = c.zero_gather("actor_train", node0, ParallelStrategy(8, 1, 1, 3))
+    assert g_ib > 5 * g_nv > 0
+    assert c.zero_gather("actor_train", both, ParallelStrategy(16, 1, 1)) == 0
+    # training: at least two gathers and a reduce-scatter per micro-batch, never faster than
+    # the same compute without ZeRO-3's traffic
+    steps = p.ppo_minibatches * p.ppo_epochs
+    t = c.train_time("actor_train", both, z)
+    assert t >= 3 * steps * g_ib
+    assert t > c.train_time("actor_train", both, ParallelStrategy(16, 1, 1)) - 1e-9
+    assert c.inference_time("ref_inf", both, z) >= g_ib
+    # generation in a ZeRO-3 layout gathers every decode step: far slower than the hybrid
+    # engine's tensor-parallel layout
+    assert c.generate_time(both, z) > p.gen_len * g_ib
+    assert c.generate_time(both, z) > 10 * c.generate_time(both, ParallelStrategy(2, 8, 1))
+
+
+def test_zero3_presets_generate_through_the_hybrid_engine():
+    p = PlacementProblem.from_dict({"models": {"actor": "llama-13b", "critic": "llama-7b"},
+                                    "cluster": {"nodes": 1, "gpus_per_node": 8},
+                                    "batch": 256, "prompt_len": 256, "gen_len": 256,
+                                    "parallelism": "zero3"})
+    est = Estimator(p)
+    plan = preset_plan(p, "colocated", estimator=est)
+    for call in CALLS:
+        s = plan.calls[call].strategy
+        if call == "actor_gen":
+            assert s.zero == 0 and s.pp == 1 and s.tp > 1
+        else:
+            assert s == ParallelStrategy(8, 1, 1, 3)
+    assert est.needs_realloc(plan) == {"actor_gen": "actor"}
+    # the engine's gather brings each of the 8 GPUs only the part of its tp shard (P / tp)
+    # it lacks: it holds 1/8 of every layer's bytes, so 1/8 of that shard
+    tp = plan.calls["actor_gen"].strategy.tp
+    rp = plan_realloc(p.models["actor"], Layout(plan.calls["actor_train"].mesh,
+                                               plan.calls["actor_train"].strategy),
+                      Layout(plan.calls["actor_gen"].mesh, plan.calls["actor_gen"].strategy),
+                      p.cluster)
+    assert rp.bytes == pytest.approx(rp.min_bytes)
+    assert rp.bytes == pytest.approx(8 * p.models["actor"].param_bytes / tp * 7 / 8)
+
+
+def test_fitting_grows_what_can_grow_when_the_fullest_gpu_cannot():
+    # 65B trained with ZeRO-3 on 16 A100s does not fit (16 B/param); the inference ranks must
+    # still get a generation layout that fits them
+    p = PlacementProblem.from_dict({"models": {"actor": "llama-65b", "critic": "llama-7b"},
+                                    "cluster": {"nodes": 4, "gpus_per_node": 8},
+                                    "batch": 256, "prompt_len": 256, "gen_len": 256,
+                                    "parallelism": "zero3"})
+    est = Estimator(p)
+    plan = preset_plan(p, "disaggregated", estimator=est)
+    mem, cap = est.memory(plan), est.cost.capacity("main")
+    train = plan.calls["actor_train"].mesh.rank_set
+    assert all(mem[r] > cap for r in train)
+    assert all(mem[r] <= cap for r in plan.calls["actor_gen"].mesh.ranks)
+
+
+def test_zero3_search_proposes_zero3_strategies():
+    from rlhf_fusion.placement import candidates
+
+    def zero(par: str) -> bool:
+        p = problem(gpn=4, parallelism=par)
+        cands = candidates(p, Estimator(p))
+        return any(c.strategy.zero == 3 for lst in cands.values() for c in lst)
+
+    assert zero("zero3") and not zero("megatron")

@@ -11,6 +11,13 @@ Time (seconds):
   once per step (pipeline stages do not help: each stage reads its weights once per
   micro-batch) and each running sample's KV cache, plus per-layer launch and all-reduce latency.
 
+Under ZeRO-3 (``strategy.zero == 3``) every micro-batch of a training call gathers the weights
+twice (forward, backward) and reduce-scatters the gradients over the data-parallel ranks, an
+inference micro-batch gathers once, and a decode step gathers every layer again (generation
+in a ZeRO-3 layout; DeepSpeed-Chat's hybrid engine is a generation call in a tensor-parallel
+layout instead, whose reallocation node is the engine's gather). Like the gradient all-reduce
+above, the gathers are not overlapped with compute (an upper bound on ZeRO's prefetch).
+
 ``Profile`` replaces the FLOP-based forward/backward time of a layer by measured times over
 power-of-two token counts, interpolated log-log.
 
@@ -18,7 +25,8 @@ Memory (bytes per GPU): static is what lives between calls (a trainable model's 
 gradients and its share of fp32 Adam state, sharded over data-parallel ranks as Megatron's
 distributed optimizer; a frozen model's bf16 weights unless offloaded); dynamic is what one call
 adds while it runs (activations, KV cache, logits, and a reallocated copy of the weights when
-the call's layout is not the one the weights live in).
+the call's layout is not the one the weights live in). ZeRO-3 divides the static bytes by dp
+and adds two gathered layers to the dynamic ones (the one computing, the one prefetched).
 """
 
 from __future__ import annotations
@@ -100,6 +108,16 @@ class CostModel:
     def _pp_bw(self, mesh: DeviceMesh, hw: Hardware) -> float:
         return (hw.nvlink_bw if mesh.n_nodes == 1 else hw.ib_bw) * hw.comm_efficiency
 
+    def zero_gather(self, call: str, mesh: DeviceMesh, s: ParallelStrategy) -> float:
+        """Seconds of one ZeRO-3 all-gather (or gradient reduce-scatter) of a rank's (tp, pp)
+        shard over the data-parallel ranks, layer by layer (0 without ZeRO-3)."""
+        if not s.sharded:
+            return 0.0
+        m, hw = self.model(call), self.hw(mesh)
+        shard = m.param_bytes / (s.tp * s.pp)
+        return ((s.dp - 1) / s.dp * shard / self._dp_bw(mesh, s, hw)
+                + m.layers / s.pp * hw.link_latency_s)
+
     def micro_batch(self, factor: int = 1) -> int:
         return max(1, factor * self.p.micro_batch_tokens // self.p.seq_len)
 
@@ -110,7 +128,8 @@ class CostModel:
         hw = self.hw(mesh)
         b = math.ceil(self.p.batch / s.dp)
         kv = b * self.p.seq_len * m.kv_bytes_per_token / (s.tp * s.pp)
-        free = 0.5 * (hw.hbm_bytes * (1 - hw.memory_reserve) - m.param_bytes / (s.tp * s.pp))
+        resident = m.param_bytes / (s.tp * s.pp) / (s.dp if s.sharded else 1)
+        free = 0.5 * (hw.hbm_bytes * (1 - hw.memory_reserve) - resident)
         if free <= 0:
             return b
         return max(1, min(b, math.ceil(kv / free)))
@@ -175,9 +194,11 @@ class CostModel:
         if s.pp > 1:
             pp_comm = 2 * mb * (mbs * p.seq_len * m.hidden * 2 / s.tp / self._pp_bw(mesh, hw)
                                 + hw.link_latency_s)
-        stage = (compute + tp_comm + pp_comm) * (1 + (s.pp - 1) / mb)
-        grad = _allreduce(2 * m.params / (s.tp * s.pp), s.dp, self._dp_bw(mesh, s, hw),
-                          hw.link_latency_s)
+        # ZeRO-3: gather for forward and backward, reduce-scatter the gradients, per micro-batch
+        zero = 3 * mb * self.zero_gather(call, mesh, s)
+        stage = (compute + tp_comm + pp_comm + zero) * (1 + (s.pp - 1) / mb)
+        grad = 0.0 if s.sharded else _allreduce(2 * m.params / (s.tp * s.pp), s.dp,
+                                                self._dp_bw(mesh, s, hw), hw.link_latency_s)
         # Adam reads and writes fp32 master, m, v and bf16 weight and grad: ~ 32 B per param.
         optim = 32 * m.params / (s.tp * s.pp * s.dp) / (hw.hbm_bw * hw.hbm_efficiency)
         return steps * (stage + grad + optim)
@@ -198,14 +219,15 @@ class CostModel:
         if s.pp > 1:
             pp_comm = mb * (mbs * p.seq_len * m.hidden * 2 / s.tp / self._pp_bw(mesh, hw)
                             + hw.link_latency_s)
-        return (compute + tp_comm + pp_comm) * (1 + (s.pp - 1) / mb)
+        zero = mb * self.zero_gather(call, mesh, s)
+        return (compute + tp_comm + pp_comm + zero) * (1 + (s.pp - 1) / mb)
 
     def decode_step(self, mesh: DeviceMesh, s: ParallelStrategy) -> tuple[float, float, float]:
         """(fixed seconds, seconds per running sample, seconds per KV token) of one decode step
         of one replica: the linear form the rollout simulator's ClusterModel takes."""
         m, hw = self.model("actor_gen"), self.hw(mesh)
         bw = hw.hbm_bw * hw.hbm_efficiency
-        weights = m.param_bytes / s.tp / bw
+        weights = m.param_bytes / s.tp / bw + self.zero_gather("actor_gen", mesh, s)
         overhead = m.layers * DECODE_LAYER_OVERHEAD_S
         if s.tp > 1:
             overhead += m.layers * 2 * hw.link_latency_s
@@ -228,7 +250,8 @@ class CostModel:
         rounds = self.gen_rounds(mesh, s)
         per_round = math.ceil(b / rounds)
         base, per_sample, per_kv = self.decode_step(mesh, s)
-        prefill = self.prefill_per_token(mesh, s) * b * p.prompt_len * (1 + (s.pp - 1) / b)
+        prefill = (self.prefill_per_token(mesh, s) * b * p.prompt_len * (1 + (s.pp - 1) / b)
+                   + self.zero_gather("actor_gen", mesh, s))
         g = p.gen_len
         kv_tokens = per_round * (g * p.prompt_len + g * (g - 1) / 2)
         decode = g * (base + per_sample * per_round) + per_kv * kv_tokens
@@ -238,6 +261,8 @@ class CostModel:
     def static_bytes(self, model: str, s: ParallelStrategy, trainable: bool) -> float:
         m = self.p.models[model]
         shard = m.params / (s.tp * s.pp)
+        if s.sharded:   # weights, gradients and the fp32 Adam state all sharded over dp
+            return shard * (16 if trainable else 2) / s.dp
         if trainable:
             return shard * (2 + 2 + 12 / s.dp)
         return 2 * shard
@@ -247,6 +272,8 @@ class CostModel:
         m, p = self.model(call), self.p
         kind = CALL_KIND[call]
         copy = m.param_bytes / (s.tp * s.pp) if holds_copy else 0.0
+        if s.sharded:   # the copy is sharded too; two layers live gathered
+            copy = copy / s.dp + 2 * m.param_bytes / m.layers / s.tp
         if kind == "generate":
             b = math.ceil(p.batch / s.dp)
             per_round = math.ceil(b / self.gen_rounds(mesh, s))

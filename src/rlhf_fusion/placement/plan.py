@@ -2,7 +2,8 @@
 
 The JSON form (``ExecutionPlan.save`` / ``load``) is what the loop reads to run a plan (``placement: {plan: FILE}``):
 ``{"format": "rlhf-fusion-plan", "version": 1, "cluster": ..., "calls": {call: {"mesh":
-{"group", "nodes": [start, count], "gpus": [start, count], "ranks": [...]}, "dp", "tp", "pp"}},
+{"group", "nodes": [start, count], "gpus": [start, count], "ranks": [...]}, "dp", "tp", "pp"
+[, "zero": 3]}},
 "offload": [...], "estimate": {...}}``.
 """
 
@@ -61,11 +62,13 @@ class ExecutionPlan:
 
     def table(self) -> str:
         """Per call: model, allocation and (dp, tp, pp), as ReaLHF's Table 6."""
-        rows = [("call", "model", "allocation", "GPUs", "dp", "tp", "pp")]
+        zero = any(self.calls[c].strategy.zero for c in CALLS)
+        rows = [("call", "model", "allocation", "GPUs", "dp", "tp", "pp") + (("zero",) * zero)]
         for c in CALLS:
             p = self.calls[c]
             rows.append((c, CALL_MODEL[c], p.mesh.name, str(p.mesh.size), str(p.strategy.dp),
-                         str(p.strategy.tp), str(p.strategy.pp)))
+                         str(p.strategy.tp), str(p.strategy.pp))
+                        + ((str(p.strategy.zero),) * zero))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(r, widths)).rstrip() for r in rows]
         lines.insert(1, "  ".join("-" * w for w in widths))
@@ -104,7 +107,8 @@ class ExecutionPlan:
             if "ranks" in m and list(m["ranks"]) != list(mesh.ranks):
                 raise PlacementError(f"plan: {c}'s ranks {m['ranks']} do not match its mesh "
                                      f"{mesh} ({list(mesh.ranks)}) on this cluster")
-            calls[c] = CallPlacement(mesh, ParallelStrategy(int(e["dp"]), int(e["tp"]), int(e["pp"])))
+            calls[c] = CallPlacement(mesh, ParallelStrategy(int(e["dp"]), int(e["tp"]), int(e["pp"]),
+                                                            int(e.get("zero", 0))))
         return cls(calls, str(d.get("name", "")), tuple(d.get("offload", ())),
                    dict(d.get("estimate", {})))
 

@@ -18,9 +18,13 @@ Presets:
   nodes) run generation and the three inference calls, with shadow Actor and Critic synced from
   the training layout after every PPO round (reallocation nodes in the estimate).
 
-Parallel strategies follow the Megatron-LM recipe per model: the smallest model-parallel
-degree (tensor parallelism inside a node first, then pipeline stages) at which the plan fits,
-data parallelism for the rest, one strategy for all of a model's calls on the same mesh.
+Parallel strategies follow the problem's ``parallelism``. ``megatron``: the Megatron-LM recipe
+per model, the smallest model-parallel degree (tensor parallelism inside a node first, then
+pipeline stages) at which the plan fits, data parallelism for the rest, one strategy for all of
+a model's calls on the same mesh. ``zero3``: DeepSpeed-Chat's (FlexRLHF's baseline system):
+every call ZeRO-3 data parallel over its whole mesh, and generation through the hybrid engine,
+tensor parallel at the smallest degree that fits (its gather from the ZeRO-3 shards is the
+reallocation node before generation).
 """
 
 from __future__ import annotations
@@ -160,47 +164,61 @@ def cluster_meshes(cl: Cluster, placement: Placement) -> dict[str, DeviceMesh]:
     return out  # type: ignore[return-value]
 
 
-def _ladder(mesh: DeviceMesh, problem: PlacementProblem, model: str) -> list[ParallelStrategy]:
-    """Strategies by growing model-parallel degree, tensor parallelism first."""
+def _ladder_key(problem: PlacementProblem, call: str, mesh: DeviceMesh) -> tuple:
+    """Calls with one key share a strategy: a model's calls on one mesh (under ``zero3`` the
+    hybrid engine's generation has its own)."""
+    return (CALL_MODEL[call], mesh.ranks,
+            problem.parallelism == "zero3" and call == "actor_gen")
+
+
+def _ladder(mesh: DeviceMesh, problem: PlacementProblem, key: tuple) -> list[ParallelStrategy]:
+    """Strategies to try in order: by growing model-parallel degree, tensor parallelism first;
+    under ``zero3`` pure ZeRO-3 data parallelism, or for the hybrid engine pure tp."""
+    model, _, hybrid_engine = key
     ss = strategies_for(mesh, problem.models[model], max_tp=problem.max_tp,
                         max_pp=problem.max_pp)
+    if problem.parallelism == "zero3":
+        if hybrid_engine:
+            ss = [s for s in ss if s.pp == 1]
+        else:
+            return [ParallelStrategy(mesh.size, 1, 1, 3)]
     return sorted(ss, key=lambda s: (s.tp * s.pp, s.pp, s.tp))
 
 
 def fit_strategies(problem: PlacementProblem, meshes: dict[str, DeviceMesh], name: str,
                    estimator: Estimator | None = None, offload: tuple[str, ...] = ()
                    ) -> ExecutionPlan:
-    """Megatron-style strategies for fixed meshes: raise the model-parallel degree of the
-    models on the fullest GPU until the plan fits (or nothing can grow)."""
+    """Strategies for fixed meshes (see the module docstring): raise the model-parallel degree
+    of the models on the fullest GPU that can still grow one, until the plan fits (or nothing
+    over capacity can grow: the estimate then carries the OOM penalty)."""
     est = estimator or Estimator(problem)
-    keys = sorted({(CALL_MODEL[c], meshes[c].ranks) for c in CALLS})
-    mesh_of = {k: next(meshes[c] for c in CALLS if (CALL_MODEL[c], meshes[c].ranks) == k)
-               for k in keys}
-    ladders = {k: _ladder(mesh_of[k], problem, k[0]) for k in keys}
+    key_of = {c: _ladder_key(problem, c, meshes[c]) for c in CALLS}
+    keys = sorted(set(key_of.values()))
+    mesh_of = {k: next(meshes[c] for c in CALLS if key_of[c] == k) for k in keys}
+    ladders = {k: _ladder(mesh_of[k], problem, k) for k in keys}
     for k, lad in ladders.items():
         if not lad:
             raise PlacementError(f"{name}: no parallel strategy of {k[0]} fits mesh {mesh_of[k]}")
     level = dict.fromkeys(keys, 0)
 
     def build() -> ExecutionPlan:
-        calls = {c: CallPlacement(meshes[c], ladders[(CALL_MODEL[c], meshes[c].ranks)][
-            level[(CALL_MODEL[c], meshes[c].ranks)]]) for c in CALLS}
+        calls = {c: CallPlacement(meshes[c], ladders[key_of[c]][level[key_of[c]]])
+                 for c in CALLS}
         return ExecutionPlan(calls, name, offload)
 
     while True:
         plan = build()
         mem = est.memory(plan)
         over = {r: b / est.cost.capacity(problem.cluster.node_of(r)[0]) for r, b in mem.items()}
-        worst = max(over, key=lambda r: over[r])
-        if over[worst] <= 1.0:
+        for r in sorted((r for r in over if over[r] > 1.0), key=lambda r: -over[r]):
+            grow = [k for k in keys
+                    if r in mesh_of[k].rank_set and level[k] + 1 < len(ladders[k])]
+            if grow:
+                for k in grow:
+                    level[k] += 1
+                break
+        else:
             return plan
-        grown = False
-        for k in keys:
-            if worst in mesh_of[k].rank_set and level[k] + 1 < len(ladders[k]):
-                level[k] += 1
-                grown = True
-        if not grown:
-            return plan  # does not fit at any degree: the estimate carries the OOM penalty
 
 
 def preset_plan(problem: PlacementProblem, name: str, *, estimator: Estimator | None = None,

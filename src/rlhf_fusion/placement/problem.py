@@ -16,6 +16,8 @@ from .graph import MODELS
 from .hardware import Cluster
 from .models import ModelShape, resolve_model
 
+PARALLELISMS = ("megatron", "zero3")
+
 
 @dataclass(frozen=True)
 class Fusion:
@@ -48,6 +50,11 @@ class PlacementProblem:
     # pipeline for one model alone): strategies beyond these are never proposed.
     max_tp: int = 8
     max_pp: int | None = None
+    # How presets and the co-located heuristic choose strategies: "megatron" (tp/pp/dp with a
+    # distributed optimizer) or "zero3" (every call ZeRO-3 data parallel over its mesh,
+    # generation through DeepSpeed's hybrid engine in a tensor-parallel layout: DeepSpeed-Chat,
+    # OpenRLHF, FlexRLHF). With "zero3" the search also proposes ZeRO-3 strategies.
+    parallelism: str = "megatron"
 
     def __post_init__(self) -> None:
         missing = [m for m in MODELS if m not in self.models]
@@ -62,6 +69,8 @@ class PlacementProblem:
         if self.batch < self.ppo_minibatches:
             raise PlacementError(f"batch={self.batch} is smaller than ppo_minibatches="
                                  f"{self.ppo_minibatches}; raise batch or lower ppo_minibatches")
+        if self.parallelism not in PARALLELISMS:
+            raise PlacementError(f"parallelism {self.parallelism!r}: use one of {PARALLELISMS}")
         if self.oom_penalty < 1:
             raise PlacementError("oom_penalty must be >= 1 (a plan that does not fit must not "
                                  "look faster)")
@@ -92,7 +101,7 @@ class PlacementProblem:
         known = {"models", "cluster", "batch", "prompt_len", "gen_len", "ppo_minibatches",
                  "ppo_epochs", "micro_batch_tokens", "gradient_checkpointing", "offload_frozen",
                  "lengths", "fusion", "oom_penalty", "iterations", "min_mesh_gpus", "name",
-                 "search"}
+                 "search", "parallelism"}
         unknown = set(d) - known
         if unknown:
             raise PlacementError(f"unknown config keys {sorted(unknown)}; known keys: "
@@ -129,6 +138,8 @@ class PlacementProblem:
         for key in ("gradient_checkpointing", "offload_frozen"):
             if key in d:
                 kw[key] = bool(d[key])
+        if "parallelism" in d:
+            kw["parallelism"] = str(d["parallelism"])
         if "oom_penalty" in d:
             kw["oom_penalty"] = float(d["oom_penalty"])
         return cls(models=models, cluster=cluster,

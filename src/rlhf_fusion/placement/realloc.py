@@ -2,7 +2,8 @@
 
 A layout is a mesh with a (dp, tp, pp): rank i of the mesh holds the layers of its pipeline
 stage and the 1/tp column of its tensor-parallel index (every data-parallel replica holds the
-same shards). Reallocation gives every destination rank its shard: what it already holds in
+same shards; under ZeRO-3 each data-parallel rank holds a 1/dp run of that shard's layers, the
+bytes a flat partition gives it). Reallocation gives every destination rank its shard: what it already holds in
 the source layout stays, every other piece comes from the cheapest source that holds it (the
 same node over NVLink before another node over InfiniBand; among equals the least loaded, then
 the lowest rank), so each byte a destination lacks arrives exactly once. ``min_bytes`` is that
@@ -41,8 +42,11 @@ class Layout:
         out = {}
         s = self.strategy
         for i, r in enumerate(self.mesh.ranks):
-            _, t, st = s.coords(i)
+            d, t, st = s.coords(i)
             l0, l1 = self.stage_layers(st, layers)
+            if s.sharded:
+                l0, l1 = (l0 + Fraction((l1 - l0) * d, s.dp),
+                          l0 + Fraction((l1 - l0) * (d + 1), s.dp))
             out[r] = (l0, l1, Fraction(t, s.tp), Fraction(t + 1, s.tp))
         return out
 

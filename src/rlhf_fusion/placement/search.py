@@ -49,7 +49,8 @@ def candidates(problem: PlacementProblem, estimator: Estimator) -> dict[str, lis
         for mesh in meshes:
             cap = cost.capacity(mesh.group)
             for s in strategies_for(mesh, problem.models[model], max_tp=problem.max_tp,
-                                    max_pp=problem.max_pp):
+                                    max_pp=problem.max_pp,
+                                    zero3=problem.parallelism == "zero3"):
                 if not cost.feasible(call, mesh, s):
                     continue
                 static = 0.0 if offloaded else cost.static_bytes(
