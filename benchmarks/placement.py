@@ -14,13 +14,16 @@ Every time is the estimator's (``rlhf_fusion.placement``: analytic costs from A1
 figures and assumed efficiencies, Algorithm 1 over two iterations); batch and lengths are our
 choice, not the papers'.
 
-    OMP_NUM_THREADS=1 python benchmarks/placement.py          # ~5 min; --quick: ~1 min
+    OMP_NUM_THREADS=1 python benchmarks/placement.py          # ~6 min; --quick: ~1 min
+    OMP_NUM_THREADS=1 python benchmarks/placement.py --only flexrlhf   # one section, the rest
+                                                                       # kept from the last run
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime as dt
+import itertools
 import json
 import os
 import platform
@@ -104,17 +107,23 @@ FLEX_SETTINGS = [
 ]
 
 
-def flexrlhf() -> list[dict]:
+SECTIONS = ("small_clusters", "realhf", "flexrlhf")
+
+
+def flexrlhf(search_s: float) -> list[dict]:
+    """Each setting under both parallelisms: Megatron-style strategies, and ZeRO-3 with the
+    hybrid engine (DeepSpeed-Chat, the system FlexRLHF's strategies are measured on)."""
     ref = json.loads((REFERENCE / "flexrlhf.json").read_text())
     rows = []
-    for kind, actor, critic, nodes in FLEX_SETTINGS:
+    for (kind, actor, critic, nodes), parallelism in itertools.product(
+            FLEX_SETTINGS, ("megatron", "zero3")):
         p = PlacementProblem.from_dict({
             "models": {"actor": actor, "critic": critic},
             "cluster": {"nodes": nodes, "gpus_per_node": 8, "hardware": "a100-80g"},
-            "batch": 256, "prompt_len": 256, "gen_len": 256})
+            "batch": 256, "prompt_len": 256, "gen_len": 256, "parallelism": parallelism})
         est = Estimator(p)
         row = {"kind": kind, "actor": actor, "critic": critic, "cluster": f"{nodes}x8 a100-80g",
-               "estimated_s": {}, "oom": {}, "paper": None}
+               "parallelism": parallelism, "estimated_s": {}, "oom": {}, "paper": None}
         for name in PRESET_NAMES:
             try:
                 e = est.estimate(preset_plan(p, name, estimator=est))
@@ -124,6 +133,9 @@ def flexrlhf() -> list[dict]:
                 continue
             row["estimated_s"][name] = e.iteration_time
             row["oom"][name] = e.oom
+        found = search(p, time_limit=search_s, seed=0, estimator=est)
+        e = est.estimate(found.plan)
+        row["estimated_s"]["searched"], row["oom"]["searched"] = e.iteration_time, e.oom
         co = row["estimated_s"]["colocated"]
         row["speedup_vs_colocated"] = {k: (co / v if v else None)
                                        for k, v in row["estimated_s"].items()}
@@ -161,20 +173,26 @@ def markdown(res: dict) -> str:
               f"({r['speedup']:.2f}x). ReaLHF reports 26% on average over its Megatron-LM "
               "heuristic (v1 abstract; `benchmarks/reference/realhf.json`)."]
     L += ["", "## FlexRLHF trends (estimated iteration time, s; speedup over co-located)", "",
-          "Paper columns come from `benchmarks/reference/flexrlhf.json`; its Tables I-II are not "
-          "recorded there (unverified), so they read *unknown*.", "",
-          "| setting | cluster | co-located | interleaved | interleaved2 | disaggregated | paper |",
-          "|---|---|---|---|---|---|---|"]
+          "Each setting twice: `megatron` (tp/pp/dp per model, distributed optimizer) and `zero3` "
+          "(every call ZeRO-3 over its mesh, generation through the hybrid engine: "
+          "DeepSpeed-Chat, the system FlexRLHF measures its strategies on). *searched*: our "
+          f"search under the same parallelism ({res['flexrlhf_search_s']:g} s). Paper columns "
+          "come from `benchmarks/reference/flexrlhf.json`; its Tables I-II are not recorded there "
+          "(unverified), so they read *unknown*.", "",
+          "| setting | cluster | parallelism | co-located | interleaved | interleaved2 "
+          "| disaggregated | searched | paper |",
+          "|---|---|---|---|---|---|---|---|---|"]
     for r in res["flexrlhf"]:
         cells = []
-        for k in ("colocated", "interleaved", "interleaved2", "disaggregated"):
+        for k in ("colocated", "interleaved", "interleaved2", "disaggregated", "searched"):
             v = r["estimated_s"][k]
             if v is None:
                 cells.append("n/a")
                 continue
             oom = " OOM" if r["oom"][k] is True else ""
             cells.append(f"{v:.1f} ({r['speedup_vs_colocated'][k]:.2f}x){oom}")
-        L.append(f"| {r['actor']}/{r['critic']} | {r['cluster']} | " + " | ".join(cells)
+        L.append(f"| {r['actor']}/{r['critic']} | {r['cluster']} | {r['parallelism']} | "
+                 + " | ".join(cells)
                  + f" | {r['paper'] or 'unknown'} |")
     return "\n".join(L) + "\n"
 
@@ -184,6 +202,8 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="short searches (smoke test)")
     ap.add_argument("--time-limit", type=float, default=110.0,
                     help="seconds for the 8x8 search (the bar: a plan within 2 minutes)")
+    ap.add_argument("--only", choices=SECTIONS, default=None,
+                    help="recompute one section and keep the others from the last results file")
     args = ap.parse_args()
     if os.environ.get("OMP_NUM_THREADS") != "1":
         print("note: set OMP_NUM_THREADS=1 for the one-core figure", file=sys.stderr)
@@ -192,11 +212,20 @@ def main() -> int:
            "command": "OMP_NUM_THREADS=1 python benchmarks/placement.py"
                       + (" --quick" if args.quick else ""),
            "machine": {"cpu": cpu(), "cores_used": 1, "python": platform.python_version()}}
-    res["small_clusters"] = small_clusters(3.0 if args.quick else 8.0)
-    res["realhf"] = [realhf(limit, fusion=False), realhf(limit, fusion=True)]
-    res["flexrlhf"] = flexrlhf()
-    RESULTS.mkdir(exist_ok=True)
     name = "placement_quick" if args.quick else "placement"
+    last = RESULTS / f"{name}.json"
+    if args.only:
+        if not last.exists():
+            ap.error(f"--only needs a previous full run's {last}; run without --only first")
+        res = {**json.loads(last.read_text()), "date": res["date"], "machine": res["machine"]}
+    if args.only in (None, "small_clusters"):
+        res["small_clusters"] = small_clusters(3.0 if args.quick else 8.0)
+    if args.only in (None, "realhf"):
+        res["realhf"] = [realhf(limit, fusion=False), realhf(limit, fusion=True)]
+    if args.only in (None, "flexrlhf"):
+        res["flexrlhf_search_s"] = 2.0 if args.quick else 10.0
+        res["flexrlhf"] = flexrlhf(res["flexrlhf_search_s"])
+    RESULTS.mkdir(exist_ok=True)
     (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     md = markdown(res)
     (RESULTS / f"{name}.md").write_text(md)
