@@ -73,12 +73,14 @@ def machine() -> dict[str, Any]:
     return {**device_info(), "platform": platform.platform()}
 
 
-def problem(hw: Hardware, nodes: int, gpus_per_node: int) -> PlacementProblem:
+def problem(hw: Hardware, nodes: int, gpus_per_node: int,
+            parallelism: str = "megatron") -> PlacementProblem:
     cluster = Cluster((DeviceGroup("main", nodes, dataclasses.replace(
         hw, gpus_per_node=gpus_per_node), gpus_per_node),))
     return PlacementProblem(models={"actor": ACTOR, "critic": CRITIC, "ref": ACTOR,
                                     "reward": CRITIC},
-                            cluster=cluster, name=f"{nodes}x{gpus_per_node}", **SHAPE)
+                            cluster=cluster, name=f"{nodes}x{gpus_per_node}",
+                            parallelism=parallelism, **SHAPE)
 
 
 def tp_train_plan(p: PlacementProblem) -> ExecutionPlan:
@@ -103,6 +105,10 @@ def plans(hw: Hardware, quick: bool, search_steps: int) -> list[tuple[str, Estim
     out.append(("searched (1x4)", e14, r.plan))
     out.append(("disaggregated (2x2)", e22, preset_plan(p22, "disaggregated", estimator=e22)))
     out.append(("train tp=2 / infer dp=4 (1x4)", e14, tp_train_plan(p14)))
+    # DeepSpeed-Chat style: every call ZeRO-3, generation tp through the hybrid engine's gather
+    pz = problem(hw, 1, 4, "zero3")
+    ez = Estimator(pz)
+    out.append(("colocated, ZeRO-3 (1x4)", ez, preset_plan(pz, "colocated", estimator=ez)))
     return out
 
 
