@@ -90,7 +90,35 @@ def test_two_rank_disaggregated_generates_on_one_instance():
     assert_same_run(base, res)
 
 
-def _plan_file(tmp_path, **override) -> str:
+def _ref_bytes() -> int:
+    """The tiny Ref as scored (float64): what one rank holding it prefetches per iteration."""
+    from rlhf_fusion.loop.models import build_models
+
+    ref = build_models(tiny(WORLD).models).ref
+    return 8 * sum(t.numel() for t in [*ref.parameters(), *ref.buffers()])
+
+
+def test_preset_with_offload_equals_colocated(colocated):
+    """placement: {preset: interleaved, offload: true}: the Ref (ranks 0-1) lives in host
+    memory between its calls (the rule reward has no weights); the same run."""
+    res = run(tiny(WORLD, micro_batches=MICRO,
+                   placement=PlacementSection(preset="interleaved", offload=True)))
+    assert_same_run(colocated, res)
+    assert all(h["offload/bytes"] == 2 * _ref_bytes() for h in res["history"])
+
+
+def test_a_plans_offload_is_honoured(colocated, tmp_path):
+    path = _plan_file(tmp_path, offload=("ref", "reward"))
+    assert tiny(WORLD, micro_batches=MICRO,
+                placement=PlacementSection(plan=path, offload=False)).offloaded() == ()
+    cfg = tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(plan=path))
+    assert cfg.offloaded() == ("ref", "reward")
+    res = run(cfg)
+    assert_same_run(colocated, res)
+    assert all(h["offload/bytes"] == WORLD * _ref_bytes() for h in res["history"])
+
+
+def _plan_file(tmp_path, offload=(), **override) -> str:
     cluster = Cluster.uniform(1, WORLD)
     mesh = make_mesh(cluster, "main", 0, 1)
     calls = {c: CallPlacement(mesh, ParallelStrategy(WORLD, 1, 1))
@@ -100,7 +128,7 @@ def _plan_file(tmp_path, **override) -> str:
         calls[c] = CallPlacement(make_mesh(cluster, "main", 0, 1, ranks_start, n),
                                  ParallelStrategy(dp, tp, pp))
     path = tmp_path / "plan.json"
-    ExecutionPlan(calls, "test").save(path, cluster)
+    ExecutionPlan(calls, "test", tuple(offload)).save(path, cluster)
     return str(path)
 
 

@@ -115,13 +115,19 @@ class PlacementSection:
     by ``rlhf-fusion plan``. Neither (the default): every model on every rank, Actor and Critic
     training on the fused pipeline. Under a placement ``ppo.micro_batches`` counts the
     micro-batches of a whole mini-batch, shared by the data-parallel ranks of each training
-    call, and the pipeline (if any) comes from the plan."""
+    call, and the pipeline (if any) comes from the plan.
+
+    ``offload``: the frozen models kept in host memory between their calls and prefetched at
+    the start of each rollout (``docs/loop.md``): ``true`` (Ref and Reward), ``false``, or a
+    list such as ``[ref]``; it needs no preset or plan. Unset (``None``): a plan file's
+    ``offload``, else none. A rule reward has no weights: offloading it does nothing."""
 
     preset: str | None = None
     plan: str | None = None
     inference_fraction: float = 0.5
     search: float | None = None       # seconds: search a plan at start (rlhf-fusion train)
     hardware: str = "a100-80g"        # the devices the search plans for
+    offload: bool | list[str] | None = None   # frozen models in host memory between calls
 
     @property
     def given(self) -> bool:
@@ -260,8 +266,20 @@ class RLHFConfig:
                     f"Critic copies; use a multiple of {n // cs}")
         if f.timeout_s <= 0:
             raise LoopConfigError("fusion.timeout_s: must be > 0 seconds")
+        offload_names(self.placement.offload)
         if self.placement.given:
             self.loop_placement()
+
+    def offloaded(self, placement: Any = None) -> tuple[str, ...]:
+        """The frozen models kept in host memory between their calls: ``placement.offload``
+        when set, else the plan file's ``offload`` (``placement``: the resolved
+        :class:`~rlhf_fusion.loop.placement.LoopPlacement`, resolved here when omitted)."""
+        own = offload_names(self.placement.offload)
+        if own is not None:
+            return own
+        if placement is None and self.placement.plan is not None:
+            placement = self.loop_placement()
+        return tuple(getattr(placement, "offload", ()))
 
     def loop_placement(self) -> Any:
         """The resolved :class:`~rlhf_fusion.loop.placement.LoopPlacement` (``None``: the
@@ -316,6 +334,30 @@ class RLHFConfig:
         raise LoopConfigError(
             f"fusion.rt: {rt} is outside the batch of {batch} samples; use a fraction in (0, 1) "
             f"or a count in 1..{batch} (or 'auto')")
+
+
+FROZEN_MODELS = ("ref", "reward")
+
+
+def offload_names(value: Any) -> tuple[str, ...] | None:
+    """``placement.offload`` as a tuple of frozen model names (``None``: not set)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return FROZEN_MODELS if value else ()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise LoopConfigError(f"placement.offload: {value!r}; give true (Ref and Reward), "
+                              "false, or a list of model names such as [ref, reward]")
+    for v in value:
+        if v in ("actor", "critic"):
+            raise LoopConfigError(
+                f"placement.offload: {v} is trained every iteration and cannot live in host "
+                "memory between calls; only the frozen ref and reward can: use [ref], "
+                "[reward], [ref, reward] or true")
+        if v not in FROZEN_MODELS:
+            raise LoopConfigError(f"placement.offload: unknown model {v!r}; use [ref], "
+                                  "[reward], [ref, reward] or true")
+    return tuple(m for m in FROZEN_MODELS if m in value)
 
 
 def _section(cls: type, name: str, value: Any) -> Any:

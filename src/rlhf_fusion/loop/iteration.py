@@ -8,7 +8,10 @@ is the exactness reference of the distributed ones.
    copies that generation and inference use (:mod:`.reallocate`).
 2. **Generation + inference**: every rank is a generation instance; with inter-stage fusion the
    long tail migrates to ``m`` ranks once ``R_t`` samples remain and the freed ranks score
-   finished samples as they stream in (:func:`rlhf_fusion.rollout.run_rollout`).
+   finished samples as they stream in (:func:`rlhf_fusion.rollout.run_rollout`). Frozen
+   models offloaded to host memory (``placement.offload``) are prefetched as generation
+   starts, waited for by their first scoring call, and offloaded again once scoring ends
+   (:mod:`rlhf_fusion.runtime.offload`).
 3. **Advantages**: KL in the reward or the loss, GAE, whitening (:mod:`.advantages`).
 4. **Training**: PPO epochs x mini-batches; each mini-batch is one fused Actor/Critic pipeline
    step (or the serial 1F1B order with intra-stage fusion off) planned once from profiled
@@ -41,6 +44,7 @@ from ..runtime.fused import (
     reference_step,
 )
 from ..runtime.microbatch import split_micro_batches
+from ..runtime.offload import HostOffload, OffloadSet
 from ..runtime.ppo import PPOConfig
 from . import advantages as adv
 from .config import RLHFConfig
@@ -98,6 +102,7 @@ class PPOWorker:
         self.fused = None
         self._shapes = {role: shapes_of(getattr(self.models, role)) for role in ROLES}
         self._setup_rollout()
+        self._setup_offload()
         self._setup_training()
         self.rt_planner = self._rt_planner()
         self._owners: dict[str, Any] | None = None
@@ -113,6 +118,26 @@ class PPOWorker:
                                          micro_batch=4, device=self.device,
                                          pad_id=self.tokenizer.pad_token_id)
         self.inference.score = timed_scoring(self.inference.score, self._scoring)
+
+    def _setup_offload(self) -> None:
+        """The frozen models this rank scores with that live in host memory between their
+        calls (``cfg.offloaded()``): offloaded now, before the first iteration."""
+        held = {}
+        for inf in self._inference_models():
+            for name in self._offload_names():
+                model = getattr(inf, name)
+                if isinstance(model, torch.nn.Module):   # a rule reward has no weights
+                    held[name] = HostOffload(model, self.device, name=name)
+        self.frozen = OffloadSet(held)
+        self.frozen.offload()
+        self.frozen.take_stats()   # the one-time copy to host is no iteration's
+
+    def _offload_names(self) -> tuple[str, ...]:
+        return self.cfg.offloaded()
+
+    def _inference_models(self) -> list[InferenceModels]:
+        """The scorers of this rank (a placed worker may hold one per inference call)."""
+        return [self.inference]
 
     def _setup_training(self) -> None:
         cfg, m = self.cfg, self.models
@@ -202,6 +227,24 @@ class PPOWorker:
         totals = torch.tensor([float(moved)], dtype=torch.float64)
         dist.all_reduce(totals)
         return {"realloc/bytes": float(totals[0]), "realloc/min_bytes": float(minimum)}
+
+    def offload_metrics(self) -> dict[str, float]:
+        """This iteration's ``offload/*`` over every rank (none when nothing is offloaded):
+        bytes brought back to the device (summed), the prefetch copy, the wait for it and
+        the offload (seconds, the slowest rank's)."""
+        if not self._offload_names():
+            return {}
+        st = self.frozen.take_stats()
+        row = torch.tensor([[st.bytes, st.prefetch_s, st.wait_s, st.offload_s]],
+                           dtype=torch.float64)
+        if self.distributed:
+            rows = [torch.zeros_like(row) for _ in range(self.world)]
+            dist.all_gather(rows, row)
+            row = torch.cat(rows)
+        return {"offload/bytes": float(row[:, 0].sum()),
+                "offload/prefetch_s": float(row[:, 1].max()),
+                "offload/wait_s": float(row[:, 2].max()),
+                "offload/offload_s": float(row[:, 3].max())}
 
     def _sync_dst(self, role: str) -> torch.nn.Module | None:
         """The copy ``role``'s weights go to (a vLLM engine holds its own: ``None``)."""
@@ -331,8 +374,10 @@ class PPOWorker:
         self.backend.reset_timing()
         self._scoring.clear()
         with self._stage("generation + inference"), no_autocast:
+            self.frozen.prefetch()  # offloaded Ref/Reward come back while generation runs
             exps, stats = self.rollout(specs)
             self.backend.sleep()  # the generation copy's KV is freed while training runs
+            self.frozen.offload()  # and the frozen models go back to host memory
         t2 = time.perf_counter()
         with no_autocast:
             batch, metrics = self.batch(exps)
@@ -342,6 +387,7 @@ class PPOWorker:
         t4 = time.perf_counter()
         self.rt_planner.observe([len(e.response_ids) for e in exps], self.backend, self._scoring,
                                 prompt_len=sum(len(p) for p in prompts) / max(len(prompts), 1))
+        offload = self.offload_metrics()   # a collective: every rank, in this order
         gen_end = _max_stat(stats, "generation_end_s")
         inf_start = _min_stat(stats, "inference_start_s")
         rollout_s = t2 - t1
@@ -358,6 +404,7 @@ class PPOWorker:
             "fusion/rt": float(stats.get("rt") or 0),
             "episode": float((it + 1) * len(exps)),
             **realloc,
+            **offload,
         })
         self.iteration_index += 1
         timeline = {"t0": t0, "sync": (0.0, t1 - t0), "rollout": (t1 - t0, t2 - t0),

@@ -122,6 +122,12 @@ class PlacedPPOWorker(PPOWorker):
         if not held["ref_inf"]:
             m.ref = None
 
+    def _offload_names(self) -> tuple[str, ...]:
+        return self.cfg.offloaded(self.placement)
+
+    def _inference_models(self) -> list[InferenceModels]:
+        return [self.inference] if self.inference is not None else list(self.scorers.values())
+
     def _setup_training(self) -> None:
         if self.placement.fused_training:
             super()._setup_training()

@@ -14,7 +14,9 @@ loop's processes form one node of ``world_size`` devices. What the loop executes
   copies, gradients all-reduced over the mesh), or the fused Actor/Critic pipeline when both
   calls share every rank with the same ``pp > 1`` (intra-stage fusion);
 * after each PPO round the trained parameters reach the generation and Critic-inference copies
-  from their owners (ReaLHF's parameter reallocation; shadow models under ``disaggregated``).
+  from their owners (ReaLHF's parameter reallocation; shadow models under ``disaggregated``);
+* a plan's ``offload`` (frozen Ref/Reward in host memory between calls) is honoured unless the
+  config's ``placement.offload`` says otherwise (:meth:`RLHFConfig.offloaded`).
 
 Tensor parallelism is not executed (``tp`` must be 1), nor pipelines for inference calls or
 for one model alone; such plans are rejected with the reason.
@@ -52,6 +54,7 @@ class CallLayout:
 class LoopPlacement:
     name: str
     calls: Mapping[str, CallLayout]
+    offload: tuple[str, ...] = ()   # the plan's frozen models in host memory between calls
 
     def holds(self, call: str, rank: int) -> bool:
         return rank in self.calls[call].ranks
@@ -73,6 +76,8 @@ class LoopPlacement:
     def describe(self) -> str:
         rows = [f"{c:<12} ranks {list(lay.ranks)} dp={lay.dp} pp={lay.pp}"
                 for c, lay in self.calls.items()]
+        if self.offload:
+            rows.append(f"offload      {', '.join(self.offload)} (host memory between calls)")
         return f"placement {self.name}:\n  " + "\n  ".join(rows)
 
 
@@ -115,10 +120,11 @@ def resolve(preset: str | None, plan: str | Path | None, world_size: int,
             calls = {c: (tuple(ep.calls[c].mesh.ranks), ep.calls[c].strategy.dp,
                          ep.calls[c].strategy.tp, ep.calls[c].strategy.pp) for c in CALLS}
             name = ep.name or Path(plan).stem
+            offload = ep.offload
         else:
             meshes = cluster_meshes(cluster, preset_placement(preset, inference_fraction))
             calls = {c: (tuple(meshes[c].ranks), meshes[c].size, 1, 1) for c in CALLS}
-            name = preset
+            name, offload = preset, ()
         for ranks, *_rest in calls.values():
             mesh_from_ranks(cluster, ranks)   # a legal mesh of the node
     except PlacementError as exc:
@@ -145,7 +151,7 @@ def resolve(preset: str | None, plan: str | Path | None, world_size: int,
             f"{list(cr.ranks)} pp={cr.pp}: a training pipeline runs only as the fused "
             "Actor/Critic pipeline over every rank (both calls on all ranks, the same pp); "
             "use pp=1 (data parallel) otherwise")
-    return LoopPlacement(name, out)
+    return LoopPlacement(name, out, tuple(offload))
 
 
 def search_plan(cfg: Any, prompt_len: float, out: str | Path) -> str:
@@ -153,6 +159,7 @@ def search_plan(cfg: Any, prompt_len: float, out: str | Path) -> str:
     the plans the loop executes (tp = 1, no pipelines), write it to ``out`` and return the
     path. Run once, before the processes start: every rank must run the same plan."""
     from ..placement import Cluster, PlacementError, PlacementProblem, resolve_model, search
+    from .config import offload_names
     from .models import model_shapes
 
     pl, g, p = cfg.placement, cfg.generation, cfg.ppo
@@ -163,7 +170,9 @@ def search_plan(cfg: Any, prompt_len: float, out: str | Path) -> str:
             models=shapes, cluster=Cluster.uniform(1, cfg.world_size, pl.hardware),
             batch=g.prompts_per_iteration, prompt_len=max(1, round(prompt_len)),
             gen_len=g.max_new_tokens, ppo_minibatches=p.num_mini_batches,
-            ppo_epochs=p.num_ppo_epochs, max_tp=1, max_pp=1, name="loop")
+            ppo_epochs=p.num_ppo_epochs, max_tp=1, max_pp=1, name="loop",
+            # Planned with the frozen models in host memory when the run offloads them.
+            offload_frozen=bool(offload_names(pl.offload)))
         found = search(problem, time_limit=float(pl.search), seed=0)
     except PlacementError as exc:
         raise PlacementConfigError(f"placement.search: {exc}") from exc
