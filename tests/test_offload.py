@@ -229,3 +229,16 @@ def test_bad_offload_values_name_the_fix():
     cfg.validate()
     assert cfg.offloaded() == ("ref", "reward")
     assert tiny(2).offloaded() == ()
+
+
+def test_a_search_at_start_plans_with_the_runs_offload(tmp_path):
+    """placement: {search: S, offload: true}: the plan is searched with the frozen models in
+    host memory (offload_frozen) and says so; without offload it offloads nothing."""
+    import json
+
+    from rlhf_fusion.loop.placement import search_plan
+
+    for offload, want in ((True, ["ref", "reward"]), (None, [])):
+        cfg = tiny(4, micro_batches=4, placement=PlacementSection(search=0.5, offload=offload))
+        path = search_plan(cfg, 8.0, tmp_path / f"plan-{offload}.json")
+        assert json.loads(open(path).read())["offload"] == want

@@ -41,10 +41,12 @@ ACTOR = ModelShape(2e6, 4, 256, name="tiny-actor")     # 4 MB of bf16: reallocat
 CRITIC = ModelShape(1e6, 2, 256, name="tiny-critic")
 
 
-def _setup() -> tuple[Estimator, ExecutionPlan]:
+def _setup(pcie_bw: float | None = None) -> tuple[Estimator, ExecutionPlan]:
     # A fixed link figure: the test needs durations of a sensible scale, not a measurement.
     link = LinkMeasurement(5e-5, 2e9, 1e9, 1 << 20, 2)
     hw = local_hardware(flops=2e12, hbm_bw=2e11, link=link, base=A100_80G)
+    if pcie_bw is not None:
+        hw = dataclasses.replace(hw, pcie_bw=pcie_bw)
     cluster = Cluster((DeviceGroup("main", 1, dataclasses.replace(hw, gpus_per_node=4), 4),))
     p = PlacementProblem(models={"actor": ACTOR, "critic": CRITIC, "ref": ACTOR,
                                  "reward": CRITIC}, cluster=cluster, batch=16, prompt_len=32,
@@ -122,3 +124,37 @@ def test_a_missing_message_names_node_and_rank() -> None:
     msg = failed[lost.dst].error
     assert failed[lost.dst].error_type == "EmulationError"
     assert prog.nodes[consumer].name in msg and f"rank {lost.dst}" in msg
+
+
+def test_offload_prefetch_overlaps_the_previous_node_as_the_estimator_assumes() -> None:
+    """plan.offload: the Ref (ranks 0-1) and the Reward (rank 0) load over a slow PCIe link
+    (0.3 s and 0.15 s) from the start of the previous node on their GPUs. Each such call starts
+    no earlier than that start plus its prefetch, and on rank 0 the Reward's load overlaps the
+    Ref's call (0.1 s) before it: it starts near 0.15 s after the Ref's start, not 0.25 s."""
+    est, plan = _setup(pcie_bw=CRITIC.param_bytes / 0.15)
+    off = ExecutionPlan(dict(plan.calls), "mixed-offload", ("ref", "reward"))
+    scale = 0.1 / est.estimate(off).call_time["ref_inf"]   # the Ref's call: 0.1 s
+    res = emulate_plan(off, est, repeats=1, warmup=0, duration_scale=scale, timeout=30.0,
+                       run_timeout=120.0)
+    prog, tl = res.program, res.predicted.timeline
+    assert tl is not None
+    for n, t in zip(prog.nodes, tl.nodes, strict=True):
+        assert n.prefetch_s == t.prefetch_s
+        assert (n.prefetch_s > 0) == (t.model in ("ref", "reward") and n.kind == "call")
+    run = res.runs[0]
+    overlapped = 0
+    for r, order in prog.order.items():
+        for k, i in enumerate(order):
+            node = prog.nodes[i]
+            if node.prefetch_s == 0 or k == 0:
+                continue
+            prev = order[k - 1]
+            p_start, p_end = run.per_rank[r][prev]
+            start = run.per_rank[r][i][0]
+            # Never before its weights could have loaded (1 ms: the clock, not the model) ...
+            assert start >= p_start + node.prefetch_s - 1e-3, (node.name, r)
+            if node.name.startswith("reward_inf") and prog.nodes[prev].name.startswith("ref_inf"):
+                # ... and loaded during the previous call, not after it.
+                assert start < p_end + node.prefetch_s - 0.05, (node.name, start - p_start)
+                overlapped += 1
+    assert overlapped == 2   # rank 0, both iterations

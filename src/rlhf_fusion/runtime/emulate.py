@@ -20,6 +20,13 @@ when every rank of a gloo process group walks it, with compute *emulated* and co
 * a reallocation node: a barrier over both meshes, then the real bytes of every
   :class:`~rlhf_fusion.placement.Transfer` of ``plan_realloc`` point-to-point, then a closing
   barrier (the estimator occupies both meshes until the last byte lands);
+* a call of a host-offloaded model (``plan.offload``) has the estimator's ``prefetch_s``: as
+  in :func:`~rlhf_fusion.placement.timeline.simulate`, its weights load while the previous
+  node on its GPUs runs, from that node's start, so each rank waits until its previous node's
+  start plus ``prefetch_s`` (its own ready time when it ran nothing before) before the mesh
+  barrier: the call starts no earlier than the latest of those over its mesh. The prefetch is
+  timed, not copied: a memcpy between CPU processes says nothing of a PCIe link, and the
+  estimator's PCIe figure is the caller's (``local_hardware`` sets it to the measured link);
 * every wait has a deadline; a late one raises :class:`EmulationError` naming node and rank.
 
 Each rank records every node's start and end on ``time.monotonic()`` (``CLOCK_MONOTONIC``, one
@@ -85,6 +92,7 @@ class ENode:
     duration: float                # seconds slept (calls); predicted seconds (reallocations)
     iteration: int
     parents: tuple[int, ...]
+    prefetch_s: float = 0.0        # a host-offloaded model's weight load (not scaled)
 
 
 @dataclass
@@ -118,11 +126,9 @@ def build_program(plan: ExecutionPlan, estimator: Estimator, estimate: Estimate 
     ``byte_scale`` multiplies every transferred byte count (data and reallocation); evaluate
     the estimator with bandwidths divided by the same factor (``local_hardware(byte_scale=)``)
     so its delays describe the bytes that really move. ``duration_scale`` multiplies the
-    slept call durations (tests: a fast run of the same graph).
+    slept call durations (tests: a fast run of the same graph); a prefetch is a transfer
+    (its estimate already counts ``byte_scale`` through the bandwidth) and is not scaled.
     """
-    if plan.offload:
-        raise ValueError(f"plan {plan.name!r}: host offload (prefetch) is not emulated; "
-                         "use a plan without offload")
     est = estimate if estimate is not None and estimate.timeline is not None \
         else estimator.estimate(plan)
     tl = est.timeline
@@ -131,7 +137,7 @@ def build_program(plan: ExecutionPlan, estimator: Estimator, estimate: Estimate 
     p = estimator.p
     nodes = [ENode(i, n.name, n.kind, tuple(sorted(n.ranks)),
                    n.duration * (duration_scale if n.kind == "call" else 1.0), n.iteration,
-                   tuple(j for j, _ in n.parents))
+                   tuple(j for j, _ in n.parents), n.prefetch_s)
              for i, n in enumerate(tl.nodes)]
     # One global order (the estimator's schedule), restricted to each rank.
     key = sorted(range(len(nodes)), key=lambda i: (tl.start[i], tl.end[i], i))
@@ -223,6 +229,7 @@ class _Rank:
         self._wait(dist.barrier(async_op=True), whole, "the start barrier")
         t0 = time.monotonic()
         records = []
+        last_start: float | None = None    # of the previous node on this rank
         for i in prog.order[rank]:
             node = prog.nodes[i]
             got = 0
@@ -254,6 +261,13 @@ class _Rank:
                                    f"data chunk {m.chunk} from {prog.nodes[m.producer].name!r} "
                                    f"on rank {m.src}")
                         got += m.nbytes
+                if node.prefetch_s > 0:
+                    # The weights load from the previous node's start (else from now).
+                    loaded = (last_start if last_start is not None
+                              else time.monotonic()) + node.prefetch_s
+                    left = loaded - time.monotonic()
+                    if left > 0:
+                        time.sleep(left)
                 self._barrier(node, "the barrier of its mesh")
                 start = time.monotonic()
                 out = [m for m in prog.data_out.get(i, ()) if m.src == rank]
@@ -269,6 +283,7 @@ class _Rank:
                             sends.append((dist.isend(self.send_buf[:m.nbytes], dst=m.dst,
                                                      tag=m.tag), node))
             records.append((i, start, end, got))
+            last_start = start
         for w, node in sends:
             self._wait(w, node, "an output send")
         return t0, records
