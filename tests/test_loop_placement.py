@@ -124,9 +124,9 @@ def _plan_file(tmp_path, offload=(), **override) -> str:
     calls = {c: CallPlacement(mesh, ParallelStrategy(WORLD, 1, 1))
              for c in ("actor_gen", "ref_inf", "reward_inf", "critic_inf", "actor_train",
                        "critic_train")}
-    for c, (ranks_start, n, dp, tp, pp) in override.items():
+    for c, (ranks_start, n, *strategy) in override.items():
         calls[c] = CallPlacement(make_mesh(cluster, "main", 0, 1, ranks_start, n),
-                                 ParallelStrategy(dp, tp, pp))
+                                 ParallelStrategy(*strategy))
     path = tmp_path / "plan.json"
     ExecutionPlan(calls, "test", tuple(offload)).save(path, cluster)
     return str(path)
@@ -136,6 +136,7 @@ def _plan_file(tmp_path, offload=(), **override) -> str:
     ({"actor_train": (0, 4, 2, 2, 1)}, "tensor parallelism"),
     ({"ref_inf": (0, 4, 2, 1, 2)}, "whole copies"),
     ({"actor_train": (0, 2, 1, 1, 2)}, "fused Actor/Critic pipeline over every rank"),
+    ({"actor_train": (0, 4, 4, 1, 1, 3)}, "ZeRO-3"),
 ])
 def test_unsupported_plans_are_rejected_with_the_reason(tmp_path, override, message):
     cfg = tiny(WORLD, micro_batches=MICRO,

@@ -117,6 +117,11 @@ def resolve(preset: str | None, plan: str | Path | None, world_size: int,
                     f"placement.plan {plan}: the plan is for {cluster.size} devices but "
                     f"world_size is {world_size}; plan for a cluster of {world_size} devices")
             ep = ExecutionPlan.from_dict(raw, cluster)
+            zero = [c for c in CALLS if ep.calls[c].strategy.zero]
+            if zero:
+                raise PlacementConfigError(
+                    f"placement.plan {plan}: {zero} use ZeRO-3 (zero=3), which the loop does "
+                    "not execute; plan with parallelism: megatron (the default) to run it here")
             calls = {c: (tuple(ep.calls[c].mesh.ranks), ep.calls[c].strategy.dp,
                          ep.calls[c].strategy.tp, ep.calls[c].strategy.pp) for c in CALLS}
             name = ep.name or Path(plan).stem
