@@ -135,7 +135,7 @@ def others() -> str:
             f"ReaLHF's 7B Actor + 70B Critic on 8x8 A100 the search finds in "
             f"{r['search_seconds']:.0f} s on one core a plan estimated {r['speedup']:.2f}x "
             f"faster than the co-located Megatron heuristic (ReaLHF reports 1.26x on average)."
-            + zero + f" The estimator against emulated runs on {m['machine']['cores']} cores "
+            + zero + f" The estimator against emulated runs on {m['machine']['cpu_cores']} cores "
             f"(`benchmarks/placement_measured.py`, every call sleeps its estimate while real "
             f"data and parameters move): measured/predicted iteration time "
             f"{min(ratios):.3f}-{max(ratios):.3f} over {len(ratios)} plans.",
