@@ -476,11 +476,15 @@ def test_zero3_shards_tile_each_replica_once_and_cost_what_zero3_costs():
     assert c.generate_time(both, z) > 10 * c.generate_time(both, ParallelStrategy(2, 8, 1))
 
 
+def _zero3_problem(actor: str, nodes: int) -> PlacementProblem:
+    return PlacementProblem.from_dict({"models": {"actor": actor, "critic": "llama-7b"},
+                                       "cluster": {"nodes": nodes, "gpus_per_node": 8},
+                                       "batch": 256, "prompt_len": 256, "gen_len": 256,
+                                       "parallelism": "zero3"})
+
+
 def test_zero3_presets_generate_through_the_hybrid_engine():
-    p = PlacementProblem.from_dict({"models": {"actor": "llama-13b", "critic": "llama-7b"},
-                                    "cluster": {"nodes": 1, "gpus_per_node": 8},
-                                    "batch": 256, "prompt_len": 256, "gen_len": 256,
-                                    "parallelism": "zero3"})
+    p = _zero3_problem("llama-13b", nodes=1)
     est = Estimator(p)
     plan = preset_plan(p, "colocated", estimator=est)
     for call in CALLS:
@@ -504,10 +508,7 @@ def test_zero3_presets_generate_through_the_hybrid_engine():
 def test_fitting_grows_what_can_grow_when_the_fullest_gpu_cannot():
     # 65B trained with ZeRO-3 on 16 A100s does not fit (16 B/param); the inference ranks must
     # still get a generation layout that fits them
-    p = PlacementProblem.from_dict({"models": {"actor": "llama-65b", "critic": "llama-7b"},
-                                    "cluster": {"nodes": 4, "gpus_per_node": 8},
-                                    "batch": 256, "prompt_len": 256, "gen_len": 256,
-                                    "parallelism": "zero3"})
+    p = _zero3_problem("llama-65b", nodes=4)
     est = Estimator(p)
     plan = preset_plan(p, "disaggregated", estimator=est)
     mem, cap = est.memory(plan), est.cost.capacity("main")
