@@ -129,6 +129,55 @@ def cmd_plan_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile_layers(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoConfig, AutoModel
+
+    from .runtime.layer_profile import profile_layers
+
+    try:
+        config = AutoConfig.from_pretrained(args.model)
+    except (OSError, ValueError) as exc:
+        print(f"rlhf-fusion profile-layers: error: {args.model}: {exc}\n(give a local model "
+              "directory or a Hub id; only its config is read, weights are not needed)",
+              file=sys.stderr)
+        return 2
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+             "float16": torch.float16}[args.dtype]
+    model = AutoModel.from_config(config, dtype=dtype)   # random weights: timing only
+    bar = None
+    if not args.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(desc="profile-layers", unit="pass", file=sys.stderr)
+
+    def progress(done: int, total: int) -> None:
+        if bar is not None:
+            bar.total = total
+            bar.update(done - bar.n)
+
+    try:
+        device = args.device
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        prof = profile_layers(model, tokens=args.tokens, seq_len=args.seq_len,
+                              repeats=args.repeats, device=device,
+                              vocab=config.vocab_size, progress=progress)
+    finally:
+        if bar is not None:
+            bar.close()
+    prof["model"] = args.model
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(prof, indent=1) + "\n")
+    print(f"{args.model}: {prof['layers']} layers, {prof['dtype']} on {prof['device']}")
+    print(f"{'tokens':>8}  {'forward ms/layer':>16}  {'backward ms/layer':>17}")
+    for k in prof["forward"]:
+        print(f"{k:>8}  {1e3 * prof['forward'][k]:16.3f}  {1e3 * prof['backward'][k]:17.3f}")
+    print(f"wrote {out} (plan config: profiles: {{actor: {out}}})")
+    return 0
+
+
 def cmd_openrlhf(args: argparse.Namespace) -> int:
     from .integrations.openrlhf.launch import main as openrlhf_main
 
@@ -184,6 +233,19 @@ def build_parser() -> argparse.ArgumentParser:
     pl = sub.add_parser("plan", help="search where each model call runs (placement, dp/tp/pp)")
     add_plan_parser(pl)
     pl.set_defaults(func=run_plan)
+
+    pr = sub.add_parser("profile-layers",
+                        help="measure one decoder layer's forward/backward time for `plan`")
+    pr.add_argument("model", help="a local model directory or Hub id (only its config is read)")
+    pr.add_argument("--out", default="layer-profile.json", help="the profile JSON")
+    pr.add_argument("--tokens", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096],
+                    help="token counts per pass (powers of two, as ReaLHF's profiler)")
+    pr.add_argument("--seq-len", type=int, default=512, help="tokens per row")
+    pr.add_argument("--repeats", type=int, default=3, help="timed passes per count (fastest kept)")
+    pr.add_argument("--device", default="auto", help="auto: cuda when there is one, else cpu")
+    pr.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    pr.add_argument("--quiet", action="store_true", help="no progress bar")
+    pr.set_defaults(func=cmd_profile_layers)
 
     # OpenRLHF's flags pass through untouched: this subparser parses none of them ("-" is not
     # its prefix), rlhf_fusion.integrations.openrlhf splits off the --fusion.* ones.

@@ -23,6 +23,7 @@ from .presets import (
     ratio_meshes,
 )
 from .problem import Fusion, PlacementProblem, load_config
+from .profile import Profile, load_profile
 from .realloc import Layout, ReallocPlan, Transfer, plan_realloc
 from .search import SearchResult, candidates, count_plans, enumerate_best, search
 from .strategy import ParallelStrategy, check_strategy, strategies_for
@@ -38,4 +39,6 @@ __all__ = [
     "load_config", "make_mesh", "mesh_from_ranks", "placement_meshes", "placement_plan",
     "plan_realloc", "preset_plan", "ratio_meshes", "resolve_model", "search", "simulate",
     "strategies_for",
+    "Profile",
+    "load_profile",
 ]

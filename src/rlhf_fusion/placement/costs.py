@@ -31,49 +31,19 @@ and adds two gathered layers to the dynamic ones (the one computing, the one pre
 
 from __future__ import annotations
 
-import bisect
 import math
-from dataclasses import dataclass, field
 
 from .graph import CALL_KIND, CALL_MODEL
 from .hardware import Cluster, Hardware
 from .mesh import DeviceMesh
 from .models import ModelShape
 from .problem import PlacementProblem
+from .profile import Profile
 from .strategy import ParallelStrategy
 
 DECODE_LAYER_OVERHEAD_S = 1e-5   # kernel launches per layer and decode step (CUDA graphs)
 GEN_OUT_BYTES_PER_TOKEN = 8      # token id (int32) + its logprob (fp32)
 SCORE_BYTES_PER_TOKEN = 4        # one fp32 per token (logprob, value or reward)
-
-
-@dataclass
-class Profile:
-    """Measured per-layer forward and backward seconds at power-of-two token counts."""
-
-    forward: dict[int, float] = field(default_factory=dict)
-    backward: dict[int, float] = field(default_factory=dict)
-
-    @staticmethod
-    def _interp(table: dict[int, float], tokens: float) -> float:
-        xs = sorted(table)
-        if not xs:
-            raise ValueError("empty profile table")
-        if tokens <= xs[0]:
-            return table[xs[0]] * tokens / xs[0]
-        if tokens >= xs[-1]:
-            return table[xs[-1]] * tokens / xs[-1]
-        i = bisect.bisect_right(xs, tokens)
-        x0, x1 = xs[i - 1], xs[i]
-        y0, y1 = table[x0], table[x1]
-        w = (math.log(tokens) - math.log(x0)) / (math.log(x1) - math.log(x0))
-        return math.exp(math.log(y0) + w * (math.log(y1) - math.log(y0)))
-
-    def layer_forward(self, tokens: float) -> float:
-        return self._interp(self.forward, tokens)
-
-    def layer_backward(self, tokens: float) -> float:
-        return self._interp(self.backward, tokens)
 
 
 def _allreduce(nbytes: float, n: int, bw: float, lat: float) -> float:
@@ -87,7 +57,7 @@ class CostModel:
 
     def __init__(self, problem: PlacementProblem, profiles: dict[str, Profile] | None = None):
         self.p = problem
-        self.profiles = profiles or {}
+        self.profiles = problem.profiles if profiles is None else profiles
         self._time: dict[tuple, float] = {}
 
     # -- helpers ---------------------------------------------------------------------------

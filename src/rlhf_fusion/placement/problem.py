@@ -15,6 +15,7 @@ from .errors import PlacementError
 from .graph import MODELS
 from .hardware import Cluster
 from .models import ModelShape, resolve_model
+from .profile import Profile, load_profile
 
 PARALLELISMS = ("megatron", "zero3")
 
@@ -55,6 +56,9 @@ class PlacementProblem:
     # generation through DeepSpeed's hybrid engine in a tensor-parallel layout: DeepSpeed-Chat,
     # OpenRLHF, FlexRLHF). With "zero3" the search also proposes ZeRO-3 strategies.
     parallelism: str = "megatron"
+    # Measured per-layer times per model role (``rlhf-fusion profile-layers``): they replace
+    # the FLOP-based compute of that model's calls.
+    profiles: dict[str, Profile] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         missing = [m for m in MODELS if m not in self.models]
@@ -101,7 +105,7 @@ class PlacementProblem:
         known = {"models", "cluster", "batch", "prompt_len", "gen_len", "ppo_minibatches",
                  "ppo_epochs", "micro_batch_tokens", "gradient_checkpointing", "offload_frozen",
                  "lengths", "fusion", "oom_penalty", "iterations", "min_mesh_gpus", "name",
-                 "search", "parallelism"}
+                 "search", "parallelism", "profiles"}
         unknown = set(d) - known
         if unknown:
             raise PlacementError(f"unknown config keys {sorted(unknown)}; known keys: "
@@ -116,9 +120,11 @@ class PlacementProblem:
         if "actor" not in raw:
             raise PlacementError("models.actor is required (a preset such as llama-7b or "
                                  "{params: 7e9})")
-        raw.setdefault("critic", raw["actor"])
-        raw.setdefault("ref", raw["actor"])
-        raw.setdefault("reward", raw["critic"])
+        # A role without its own model is the same network as another: so is its profile.
+        same_as = {"critic": "actor", "ref": "actor", "reward": "critic"}
+        defaulted = {role: src for role, src in same_as.items() if role not in raw}
+        for role, src in defaulted.items():
+            raw[role] = raw[src]
         models = {role: resolve_model(raw[role], f"models.{role}") for role in MODELS}
         if "cluster" not in d:
             raise PlacementError("cluster: required, e.g. {nodes: 1, gpus_per_node: 8, "
@@ -138,6 +144,15 @@ class PlacementProblem:
         for key in ("gradient_checkpointing", "offload_frozen"):
             if key in d:
                 kw[key] = bool(d[key])
+        profiles = d.get("profiles") or {}
+        if not isinstance(profiles, dict) or set(profiles) - set(MODELS):
+            raise PlacementError(f"profiles: a mapping from roles {list(MODELS)} to a file "
+                                 "written by `rlhf-fusion profile-layers` (or inline tables)")
+        kw["profiles"] = {role: load_profile(spec, f"profiles.{role}")
+                          for role, spec in profiles.items()}
+        for role, src in defaulted.items():
+            if role not in kw["profiles"] and src in kw["profiles"]:
+                kw["profiles"][role] = kw["profiles"][src]
         if "parallelism" in d:
             kw["parallelism"] = str(d["parallelism"])
         if "oom_penalty" in d:
