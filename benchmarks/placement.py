@@ -144,6 +144,47 @@ def flexrlhf(search_s: float) -> list[dict]:
     return rows
 
 
+def plot_flexrlhf(rows: list[dict], path: Path) -> None:
+    """Speedup of each placement over co-located, per setting, one panel per parallelism;
+    plans that do not fit are hatched."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, NullFormatter
+
+    kinds = ("interleaved", "interleaved2", "disaggregated", "searched")
+    colors = ("#8172B3", "#CCB974", "#64B5CD", "#C44E52")
+    pars = ("megatron", "zero3")
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.2), sharey=True)
+    for ax, par in zip(axes, pars):
+        sel = [r for r in rows if r["parallelism"] == par]
+        width = 0.8 / len(kinds)
+        for i, (k, c) in enumerate(zip(kinds, colors)):
+            for j, r in enumerate(sel):
+                v = r["speedup_vs_colocated"].get(k)
+                if v is None:
+                    continue
+                ax.bar(j + (i - 1.5) * width, v, width, color=c,
+                       hatch="//" if r["oom"].get(k) is True else None, edgecolor="black",
+                       linewidth=0.4, label=k if j == 0 else None)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(range(len(sel)))
+        ax.set_xticklabels([f"{r['actor']}/{r['critic']}\n{r['cluster'].split()[0]}"
+                            for r in sel], fontsize=8)
+        ax.set_yscale("log")
+        ax.set_yticks([0.25, 0.5, 1, 2, 4])
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+        ax.yaxis.set_minor_formatter(NullFormatter())
+        ax.set_title(f"{par}: estimated speedup over co-located (hatched: out of memory)",
+                     fontsize=9)
+    axes[0].set_ylabel("x co-located (log)")
+    axes[1].legend(fontsize=8, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def markdown(res: dict) -> str:
     L = ["# Placement and plan search (estimates)", "",
          f"{res['date']}, {res['machine']['cpu']}, one core (`OMP_NUM_THREADS=1`). "
@@ -179,6 +220,7 @@ def markdown(res: dict) -> str:
           f"search under the same parallelism ({res['flexrlhf_search_s']:g} s). Paper columns "
           "come from `benchmarks/reference/flexrlhf.json`; its Tables I-II are not recorded there "
           "(unverified), so they read *unknown*.", "",
+          f"![FlexRLHF settings: speedup over co-located]({res['flexrlhf_png']})", "",
           "| setting | cluster | parallelism | co-located | interleaved | interleaved2 "
           "| disaggregated | searched | paper |",
           "|---|---|---|---|---|---|---|---|---|"]
@@ -226,6 +268,8 @@ def main() -> int:
         res["flexrlhf_search_s"] = 2.0 if args.quick else 10.0
         res["flexrlhf"] = flexrlhf(res["flexrlhf_search_s"])
     RESULTS.mkdir(exist_ok=True)
+    res["flexrlhf_png"] = f"{name}_flexrlhf.png"
+    plot_flexrlhf(res["flexrlhf"], RESULTS / res["flexrlhf_png"])
     (RESULTS / f"{name}.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
     md = markdown(res)
     (RESULTS / f"{name}.md").write_text(md)
