@@ -149,11 +149,11 @@ def cmd_profile_layers(args: argparse.Namespace) -> int:
     if not args.quiet:
         from tqdm import tqdm
 
-        bar = tqdm(desc="profile-layers", unit="pass", file=sys.stderr)
+        bar = tqdm(desc="profile-layers", unit="pass", file=sys.stderr,
+                   total=len(set(args.tokens)) * (args.repeats + 1))
 
     def progress(done: int, total: int) -> None:
         if bar is not None:
-            bar.total = total
             bar.update(done - bar.n)
 
     try:
