@@ -97,9 +97,11 @@ def resolve_model(spec: Any, role: str = "model") -> ModelShape:
             try:
                 return ModelShape(params, int(spec["layers"]), int(spec["hidden"]),
                                   int(spec.get("vocab", 32000)), int(spec.get("heads", 0)),
-                                  int(spec.get("kv_heads", 0)), str(spec.get("name", role)))
+                                  int(spec.get("kv_heads", 0)), str(spec.get("name", "")))
             except KeyError as exc:
                 raise PlacementError(f"{role}: {exc.args[0]!r} is needed with layers/hidden") from None
+            except PlacementError as exc:
+                raise PlacementError(f"{role}: {exc}") from None
         return shape_from_params(params, str(spec.get("name", "")))
     raise PlacementError(f"{role}: cannot read a model from {spec!r}; use a preset name or "
                          "{params: N}")

@@ -91,7 +91,9 @@ class PlacementProblem:
 
     def summary(self) -> dict[str, Any]:
         return {"name": self.name,
-                "models": {k: v.name or f"{v.params / 1e9:g}B" for k, v in self.models.items()},
+                "models": {k: v.name or (f"{v.params / 1e9:.3g}B" if v.params >= 1e9
+                                         else f"{v.params / 1e6:.3g}M")
+                           for k, v in self.models.items()},
                 "cluster": [f"{g.name}: {g.nodes}x{g.gpus_per_node} {g.hardware.name}"
                             + (" (inference only)" if g.inference_only else "")
                             for g in self.cluster.groups],
