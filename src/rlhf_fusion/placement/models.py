@@ -22,8 +22,8 @@ class ModelShape:
 
     def __post_init__(self) -> None:
         if self.params <= 0 or self.layers < 1 or self.hidden < 1:
-            raise PlacementError(f"model {self.name or '?'}: params, layers and hidden must be "
-                                 "positive")
+            raise PlacementError((f"model {self.name}: " if self.name else "")
+                                 + "params, layers and hidden must be positive")
         if not self.heads:
             object.__setattr__(self, "heads", max(1, self.hidden // 128))
         if not self.kv_heads:
