@@ -182,3 +182,29 @@ def test_presets_resolve_to_flexrlhf_rank_sets():
     i2 = resolve("interleaved2", None, WORLD)
     assert i2.calls["actor_train"].ranks == (0, 1) and i2.calls["critic_train"].ranks == (2, 3)
     assert resolve(None, None, WORLD) is None
+
+
+def test_a_search_at_start_can_profile_the_models_first(tmp_path, monkeypatch):
+    """placement: {search: S, profile: true}: every network's layers are timed here first,
+    the profiles are written beside the plan and are what the search's costs come from."""
+    import rlhf_fusion.placement as placement
+    from rlhf_fusion.loop.placement import search_plan
+
+    seen = {}
+    real = placement.search
+
+    def spy(problem, **kw):
+        seen["profiles"] = problem.profiles
+        return real(problem, **kw)
+
+    monkeypatch.setattr(placement, "search", spy)
+    cfg = tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(search=0.5, profile=True))
+    search_plan(cfg, 8.0, tmp_path / "plan.json")
+    written = {f.stem: json.loads(f.read_text()) for f in (tmp_path / "profiles").iterdir()}
+    assert set(seen["profiles"]) == set(written) >= {"actor", "critic", "ref"}
+    for role, prof in written.items():
+        assert prof["format"] == "rlhf-fusion-layer-profile" and prof["device"] == "cpu"
+        assert seen["profiles"][role].forward == {int(k): v for k, v in prof["forward"].items()}
+    assert written["ref"] == written["actor"]   # one network, measured once
+    with pytest.raises(LoopConfigError, match="give placement.search"):
+        tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(profile=True)).validate()

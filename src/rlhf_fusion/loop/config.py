@@ -117,6 +117,11 @@ class PlacementSection:
     micro-batches of a whole mini-batch, shared by the data-parallel ranks of each training
     call, and the pipeline (if any) comes from the plan.
 
+    ``profile``: with ``search``, the search's compute costs come from this machine: every
+    model's decoder layers are timed first where the loop computes (as ``rlhf-fusion
+    profile-layers`` does); the profiles are written next to the plan. Communication and
+    generation stay the ``hardware`` preset's.
+
     ``offload``: the frozen models kept in host memory between their calls and prefetched at
     the start of each rollout (``docs/loop.md``): ``true`` (Ref and Reward), ``false``, or a
     list such as ``[ref]``; it needs no preset or plan. Unset (``None``): a plan file's
@@ -127,6 +132,7 @@ class PlacementSection:
     inference_fraction: float = 0.5
     search: float | None = None       # seconds: search a plan at start (rlhf-fusion train)
     hardware: str = "a100-80g"        # the devices the search plans for
+    profile: bool = False             # the search's compute from this machine's own layers
     offload: bool | list[str] | None = None   # frozen models in host memory between calls
 
     @property
@@ -267,6 +273,9 @@ class RLHFConfig:
         if f.timeout_s <= 0:
             raise LoopConfigError("fusion.timeout_s: must be > 0 seconds")
         offload_names(self.placement.offload)
+        if self.placement.profile and self.placement.search is None:
+            raise LoopConfigError("placement.profile: profiling feeds the plan search; give "
+                                  "placement.search (seconds) with it")
         if self.placement.given:
             self.loop_placement()
 

@@ -166,17 +166,36 @@ def value_model(src: ModelSource, vocab_size: int, seed: int = 0) -> CriticModel
     return seeded(seed, lambda: CriticModel(backbone))
 
 
+def model_configs(cfg: ModelsConfig, vocab: int | None = None) -> dict[str, Any]:
+    """Per model (actor, critic, ref, reward): its source's ``transformers`` config, ``None``
+    for a rule reward (no network). Nothing is loaded but the configs (and the tokenizer when
+    ``vocab`` is not given)."""
+    from transformers import AutoConfig
+
+    vocab = vocab or int(load_tokenizer(cfg).vocab_size)
+
+    def config(src: ModelSource) -> Any:
+        return (_config_of(src, vocab)[0] if isinstance(src, Mapping)
+                else AutoConfig.from_pretrained(src))
+
+    out = {"actor": config(cfg.actor)}
+    out["ref"] = out["actor"] if cfg.ref is None else config(cfg.ref)
+    out["critic"] = config(cfg.critic) if cfg.critic is not None else out["actor"]
+    rule = callable(cfg.reward) or (isinstance(cfg.reward, str)
+                                    and cfg.reward in BUILTIN_REWARDS)
+    out["reward"] = None if rule else config(cfg.reward)
+    return out
+
+
 def model_shapes(cfg: ModelsConfig) -> dict[str, dict[str, Any]]:
     """Per model (actor, critic, ref, reward): the shape the placement planner needs
     (``params``, ``layers``, ``hidden``, ``vocab``, ``heads``, ``kv_heads``), from the sources'
     configs; parameters are counted on the meta device, so nothing is loaded or allocated."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     vocab = int(load_tokenizer(cfg).vocab_size)
 
-    def shape(src: ModelSource) -> dict[str, Any]:
-        config = (_config_of(src, vocab)[0] if isinstance(src, Mapping)
-                  else AutoConfig.from_pretrained(src))
+    def shape(config: Any) -> dict[str, Any]:
         with torch.device("meta"):
             n = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
         get = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -185,15 +204,10 @@ def model_shapes(cfg: ModelsConfig) -> dict[str, dict[str, Any]]:
                 "hidden": int(get.hidden_size), "vocab": int(get.vocab_size), "heads": heads,
                 "kv_heads": int(getattr(get, "num_key_value_heads", heads) or heads)}
 
-    out = {"actor": shape(cfg.actor)}
-    out["ref"] = out["actor"] if cfg.ref is None else shape(cfg.ref)
-    out["critic"] = shape(cfg.critic) if cfg.critic is not None else out["actor"]
-    rule = callable(cfg.reward) or (isinstance(cfg.reward, str)
-                                    and cfg.reward in BUILTIN_REWARDS)
     # A rule costs next to nothing: the smallest model the planner takes stands in for it.
-    out["reward"] = ({"params": 1e3, "layers": 1, "hidden": 8, "vocab": vocab, "heads": 1}
-                     if rule else shape(cfg.reward))
-    return out
+    rule = {"params": 1e3, "layers": 1, "hidden": 8, "vocab": vocab, "heads": 1}
+    return {role: rule if conf is None else shape(conf)
+            for role, conf in model_configs(cfg, vocab).items()}
 
 
 def vowel_fraction(prompt: str, response: str, *, window: int = 8) -> float:

@@ -168,6 +168,8 @@ def search_plan(cfg: Any, prompt_len: float, out: str | Path) -> str:
     from .models import model_shapes
 
     pl, g, p = cfg.placement, cfg.generation, cfg.ppo
+    profiles = (profile_models(cfg, seq_len=max(1, round(prompt_len)) + g.max_new_tokens,
+                               out=Path(out).parent / "profiles") if pl.profile else {})
     try:
         shapes = {role: resolve_model(sh, f"models.{role}")
                   for role, sh in model_shapes(cfg.models).items()}
@@ -177,7 +179,7 @@ def search_plan(cfg: Any, prompt_len: float, out: str | Path) -> str:
             gen_len=g.max_new_tokens, ppo_minibatches=p.num_mini_batches,
             ppo_epochs=p.num_ppo_epochs, max_tp=1, max_pp=1, name="loop",
             # Planned with the frozen models in host memory when the run offloads them.
-            offload_frozen=bool(offload_names(pl.offload)))
+            offload_frozen=bool(offload_names(pl.offload)), profiles=profiles)
         found = search(problem, time_limit=float(pl.search), seed=0)
     except PlacementError as exc:
         raise PlacementConfigError(f"placement.search: {exc}") from exc
@@ -185,3 +187,34 @@ def search_plan(cfg: Any, prompt_len: float, out: str | Path) -> str:
     path.parent.mkdir(parents=True, exist_ok=True)
     found.plan.save(path, problem.cluster)
     return str(path)
+
+
+def profile_models(cfg: Any, seq_len: int, out: Path) -> dict[str, Any]:
+    """Per model role, its decoder layers' forward/backward times measured where the loop
+    computes (:func:`rlhf_fusion.runtime.layer_profile.profile_layers`, random weights from
+    the source's config), written to ``out/ROLE.json``; one measurement per distinct
+    network (a role that shares its source's config shares the measurement)."""
+    import torch
+    from transformers import AutoModel
+
+    from ..placement import Profile
+    from ..runtime.layer_profile import profile_layers
+    from .models import model_configs, seeded
+
+    rows = min(seq_len, 512)
+    tokens = [rows * k for k in (1, 2, 4, 8)]
+    out.mkdir(parents=True, exist_ok=True)
+    done: dict[int, Any] = {}
+    profiles = {}
+    for role, conf in model_configs(cfg.models).items():
+        if conf is None:
+            continue   # a rule reward: no layers
+        if id(conf) not in done:
+            model = seeded(0, lambda c=conf: AutoModel.from_config(c).to(torch.float32))
+            # The loop's processes compute on the CPU, in float32.
+            done[id(conf)] = profile_layers(model, tokens=tokens, seq_len=rows, repeats=2,
+                                            device="cpu", vocab=conf.vocab_size)
+        prof = done[id(conf)]
+        (out / f"{role}.json").write_text(json.dumps(prof, indent=1) + "\n")
+        profiles[role] = Profile.from_dict(prof, f"profile of {role}")
+    return profiles
