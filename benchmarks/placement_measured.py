@@ -74,13 +74,13 @@ def machine() -> dict[str, Any]:
 
 
 def problem(hw: Hardware, nodes: int, gpus_per_node: int,
-            parallelism: str = "megatron") -> PlacementProblem:
+            parallelism: str = "megatron", offload: bool = False) -> PlacementProblem:
     cluster = Cluster((DeviceGroup("main", nodes, dataclasses.replace(
         hw, gpus_per_node=gpus_per_node), gpus_per_node),))
     return PlacementProblem(models={"actor": ACTOR, "critic": CRITIC, "ref": ACTOR,
                                     "reward": CRITIC},
                             cluster=cluster, name=f"{nodes}x{gpus_per_node}",
-                            parallelism=parallelism, **SHAPE)
+                            parallelism=parallelism, offload_frozen=offload, **SHAPE)
 
 
 def tp_train_plan(p: PlacementProblem) -> ExecutionPlan:
@@ -109,6 +109,11 @@ def plans(hw: Hardware, quick: bool, search_steps: int) -> list[tuple[str, Estim
     pz = problem(hw, 1, 4, "zero3")
     ez = Estimator(pz)
     out.append(("colocated, ZeRO-3 (1x4)", ez, preset_plan(pz, "colocated", estimator=ez)))
+    # Ref and Reward in host memory between calls: each call waits for its prefetch
+    po = problem(hw, 1, 4, offload=True)
+    eo = Estimator(po)
+    out.append(("interleaved, Ref/Reward offloaded (1x4)", eo,
+                preset_plan(po, "interleaved", estimator=eo)))
     return out
 
 
