@@ -41,6 +41,25 @@ def test_profile_layers_times_every_layer_at_each_token_count():
     assert all(not m._forward_hooks and not m._backward_hooks for m in decoder_layers(model))
     back = Profile.from_dict(json.loads(json.dumps(prof)))
     assert back.layer_forward(64) == pytest.approx(prof["forward"]["64"])
+    assert back.rest(64, backward=True) == pytest.approx(prof["rest_backward"]["64"])
+
+
+def test_the_rest_of_a_pass_holds_the_vocabulary_head():
+    """rest_* = the whole pass minus its layers: an Actor's vocabulary head (4096 x 64 here,
+    a large share of a tiny model) is in it, a backbone's rest is far smaller."""
+    import torch
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    from rlhf_fusion.runtime.layer_profile import profile_layers
+
+    cfg = _config(layers=2)
+    cfg.vocab_size = 4096
+    torch.manual_seed(0)
+    with_head = profile_layers(AutoModelForCausalLM.from_config(cfg), tokens=[512],
+                               seq_len=128, repeats=2)
+    backbone = profile_layers(AutoModel.from_config(cfg), tokens=[512], seq_len=128, repeats=2)
+    for key in ("rest_forward", "rest_backward"):
+        assert with_head[key]["512"] > 2 * backbone[key]["512"] >= 0
 
 
 def test_cli_writes_a_profile_the_planner_reads(tmp_path, capsys):
@@ -83,6 +102,11 @@ def test_a_profile_replaces_the_flop_based_compute():
     want = layers * Profile(**{k: {int(t): v for t, v in d.items()}
                                for k, d in slow.items()}).layer_forward(tokens)
     assert CostModel(p_slow).inference_time("ref_inf", mesh, s) == pytest.approx(want)
+    # what lies outside the layers is charged once per pass, not per layer
+    p_rest = PlacementProblem.from_dict({**base, "profiles": {"actor": {
+        **slow, "rest_forward": {1024: 3.0, 4096: 12.0}, "rest_backward": {1024: 6.0}}}})
+    assert CostModel(p_rest).inference_time("ref_inf", mesh, s) == pytest.approx(
+        want + 3.0 * tokens / 1024)
     assert CostModel(p_slow).inference_time("ref_inf", mesh, s) != pytest.approx(
         CostModel(p_none).inference_time("ref_inf", mesh, s))
     # halving every measured time halves the compute of the profiled model's calls

@@ -131,7 +131,7 @@ def cmd_plan_demo(args: argparse.Namespace) -> int:
 
 def cmd_profile_layers(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoConfig, AutoModel
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
     from .runtime.layer_profile import profile_layers
 
@@ -144,7 +144,8 @@ def cmd_profile_layers(args: argparse.Namespace) -> int:
         return 2
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[args.dtype]
-    model = AutoModel.from_config(config, dtype=dtype)   # random weights: timing only
+    build = AutoModelForCausalLM if args.head == "lm" else AutoModel
+    model = build.from_config(config, dtype=dtype)   # random weights: timing only
     bar = None
     if not args.quiet:
         from tqdm import tqdm
@@ -171,9 +172,11 @@ def cmd_profile_layers(args: argparse.Namespace) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(prof, indent=1) + "\n")
     print(f"{args.model}: {prof['layers']} layers, {prof['dtype']} on {prof['device']}")
-    print(f"{'tokens':>8}  {'forward ms/layer':>16}  {'backward ms/layer':>17}")
+    print(f"{'tokens':>8}  {'forward ms/layer':>16}  {'backward ms/layer':>17}  "
+          f"{'rest fwd/bwd ms':>15}")
     for k in prof["forward"]:
-        print(f"{k:>8}  {1e3 * prof['forward'][k]:16.3f}  {1e3 * prof['backward'][k]:17.3f}")
+        print(f"{k:>8}  {1e3 * prof['forward'][k]:16.3f}  {1e3 * prof['backward'][k]:17.3f}  "
+              f"{1e3 * prof['rest_forward'][k]:7.3f}/{1e3 * prof['rest_backward'][k]:.3f}")
     print(f"wrote {out} (plan config: profiles: {{actor: {out}}})")
     return 0
 
@@ -244,6 +247,9 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--repeats", type=int, default=3, help="timed passes per count (fastest kept)")
     pr.add_argument("--device", default="auto", help="auto: cuda when there is one, else cpu")
     pr.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    pr.add_argument("--head", default="lm", choices=["lm", "none"],
+                    help="lm: with the vocabulary head (Actor, Ref); none: the backbone "
+                         "(Critic, Reward: a one-column value head)")
     pr.add_argument("--quiet", action="store_true", help="no progress bar")
     pr.set_defaults(func=cmd_profile_layers)
 

@@ -192,10 +192,11 @@ def search_plan(cfg: Any, prompt_len: float, out: str | Path) -> str:
 def profile_models(cfg: Any, seq_len: int, out: Path) -> dict[str, Any]:
     """Per model role, its decoder layers' forward/backward times measured where the loop
     computes (:func:`rlhf_fusion.runtime.layer_profile.profile_layers`, random weights from
-    the source's config), written to ``out/ROLE.json``; one measurement per distinct
-    network (a role that shares its source's config shares the measurement)."""
+    the source's config; Actor and Ref with their vocabulary head, Critic and Reward as
+    backbones), written to ``out/ROLE.json``; one measurement per distinct network and head
+    (a role that shares its source's config shares the measurement)."""
     import torch
-    from transformers import AutoModel
+    from transformers import AutoModel, AutoModelForCausalLM
 
     from ..placement import Profile
     from ..runtime.layer_profile import profile_layers
@@ -204,17 +205,20 @@ def profile_models(cfg: Any, seq_len: int, out: Path) -> dict[str, Any]:
     rows = min(seq_len, 512)
     tokens = [rows * k for k in (1, 2, 4, 8)]
     out.mkdir(parents=True, exist_ok=True)
-    done: dict[int, Any] = {}
+    done: dict[tuple[int, bool], Any] = {}
     profiles = {}
     for role, conf in model_configs(cfg.models).items():
         if conf is None:
             continue   # a rule reward: no layers
-        if id(conf) not in done:
-            model = seeded(0, lambda c=conf: AutoModel.from_config(c).to(torch.float32))
+        lm = role in ("actor", "ref")   # a vocabulary head; a Critic's value head is a column
+        key = (id(conf), lm)
+        if key not in done:
+            build = AutoModelForCausalLM if lm else AutoModel
+            model = seeded(0, lambda c=conf, b=build: b.from_config(c).to(torch.float32))
             # The loop's processes compute on the CPU, in float32.
-            done[id(conf)] = profile_layers(model, tokens=tokens, seq_len=rows, repeats=2,
-                                            device="cpu", vocab=conf.vocab_size)
-        prof = done[id(conf)]
+            done[key] = profile_layers(model, tokens=tokens, seq_len=rows, repeats=2,
+                                       device="cpu", vocab=conf.vocab_size)
+        prof = done[key]
         (out / f"{role}.json").write_text(json.dumps(prof, indent=1) + "\n")
         profiles[role] = Profile.from_dict(prof, f"profile of {role}")
     return profiles

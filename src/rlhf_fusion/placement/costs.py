@@ -131,17 +131,20 @@ class CostModel:
 
     def _layer_compute(self, call: str, tokens_per_gpu_replica: float, s: ParallelStrategy,
                        hw: Hardware, backward: bool) -> float:
-        """Seconds for one replica's stage to run ``tokens`` through its layers once."""
+        """Seconds for one replica's stage to run ``tokens`` through its layers once (with a
+        profile: plus what lies outside the layers, on the stage that holds it)."""
         m = self.model(call)
         prof = self.profiles.get(CALL_MODEL[call])
         layers = m.layers / s.pp
         if prof is not None:
             tok = tokens_per_gpu_replica / s.tp
             f = prof.layer_forward(tok)
+            rest = prof.rest(tok, backward=False)
             if not backward:
-                return layers * f
+                return layers * f + rest
             b = prof.layer_backward(tok)
-            return layers * (f + b + (f if self.p.gradient_checkpointing else 0.0))
+            return (layers * (f + b + (f if self.p.gradient_checkpointing else 0.0))
+                    + rest + prof.rest(tok, backward=True))
         flops = (8 if self.p.gradient_checkpointing else 6) if backward else 2
         mfu = hw.train_mfu if backward else hw.infer_mfu
         return flops * m.params / s.pp * tokens_per_gpu_replica / (s.tp * hw.flops * mfu)

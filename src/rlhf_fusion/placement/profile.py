@@ -26,6 +26,10 @@ class Profile:
 
     forward: dict[int, float] = field(default_factory=dict)
     backward: dict[int, float] = field(default_factory=dict)
+    # Seconds per pass outside the layers (embeddings, final norm, head, loss): charged once
+    # per pass, on the stage that holds them. Empty: not measured (0).
+    rest_forward: dict[int, float] = field(default_factory=dict)
+    rest_backward: dict[int, float] = field(default_factory=dict)
 
     @staticmethod
     def _interp(table: dict[int, float], tokens: float) -> float:
@@ -48,6 +52,11 @@ class Profile:
     def layer_backward(self, tokens: float) -> float:
         return self._interp(self.backward, tokens)
 
+    def rest(self, tokens: float, backward: bool) -> float:
+        """Seconds outside the layers for one pass of ``tokens`` (forward, or backward)."""
+        table = self.rest_backward if backward else self.rest_forward
+        return self._interp(table, tokens) if table else 0.0
+
     @classmethod
     def from_dict(cls, d: dict[str, Any], where: str = "profile") -> Profile:
         """The JSON ``profile-layers`` writes, or an inline ``{forward: {tokens: s}, backward:
@@ -56,14 +65,18 @@ class Profile:
             raise PlacementError(f"{where}: give forward and backward tables ({{tokens: "
                                  "seconds}}) or the file `rlhf-fusion profile-layers` writes")
         tables = []
-        for key in ("forward", "backward"):
+        for key in ("forward", "backward", "rest_forward", "rest_backward"):
+            if key not in d and key.startswith("rest_"):
+                tables.append({})
+                continue
             t = d[key]
             try:
                 table = {int(k): float(v) for k, v in t.items()}
             except (AttributeError, TypeError, ValueError):
                 raise PlacementError(f"{where}.{key}: a mapping of token counts to seconds, got "
                                      f"{t!r}") from None
-            if not table or min(table) < 1 or min(table.values()) <= 0:
+            if not table or min(table) < 1 or min(table.values()) < 0 or (
+                    min(table.values()) == 0 and not key.startswith("rest_")):
                 raise PlacementError(f"{where}.{key}: needs positive token counts and seconds")
             tables.append(table)
         return cls(*tables)

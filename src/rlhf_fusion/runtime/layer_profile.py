@@ -6,8 +6,10 @@ inputs, masks and position embeddings its model gives it) on random token ids, a
 decoder layer with hooks: a forward pre-hook and hook around its forward, a backward pre-hook
 and hook around its backward. The time of a layer at a token count is the fastest of
 ``repeats`` passes (least disturbed by other work) averaged over the layers. What the layers
-do not cover (embeddings, the final norm, the head) is left out, as in the cost model, which
-charges it inside its per-layer figure.
+do not cover (embeddings, the final norm, the head and the loss's reduction) is the whole
+pass minus the layers: ``rest_forward`` / ``rest_backward``, charged once per pass. Profile
+the model with the head it computes with (an Actor's ``AutoModelForCausalLM``, a Critic's
+backbone: its value head is one column).
 
 The result is the JSON that :func:`rlhf_fusion.placement.profile.load_profile` reads (plan
 config ``profiles: {actor: FILE}``).
@@ -64,15 +66,22 @@ class _LayerTimer:
         for v in self.marks.values():
             v.clear()
 
-    def per_layer(self) -> tuple[float, float]:
-        """Mean forward and backward seconds per layer of the last pass."""
-        f = [b - a for a, b in zip(self.marks["f0"], self.marks["f1"])]
-        # Backward runs the layers in reverse: pre-hook k pairs with hook k in call order.
-        b = [e - s for s, e in zip(self.marks["b0"], self.marks["b1"])]
+    def per_layer(self) -> tuple[tuple[float, float], tuple[float, float]]:
+        """Of the last pass, bracketed by one extra mark each way (the first and last of each
+        list): the mean forward and backward seconds per layer, and the forward and backward
+        seconds outside the layers."""
+        spans = {}
+        for kind in ("f", "b"):
+            starts, ends = self.marks[kind + "0"], self.marks[kind + "1"]
+            # Layers run one at a time (backward in reverse): start k pairs with end k.
+            inner = [e - s for s, e in zip(starts[1:], ends[:-1])]
+            spans[kind] = (inner, ends[-1] - starts[0])
+        (f, total_f), (b, total_b) = spans["f"], spans["b"]
         if not f or len(b) != len(f):
             raise RuntimeError(f"layer hooks fired {len(f)} forwards and {len(b)} backwards; "
                                "the model's layers must all take part in forward and backward")
-        return sum(f) / len(f), sum(b) / len(b)
+        return ((sum(f) / len(f), sum(b) / len(b)),
+                (max(0.0, total_f - sum(f)), max(0.0, total_b - sum(b))))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -104,31 +113,37 @@ def profile_layers(model: nn.Module, *, tokens: Sequence[int] = (256, 512, 1024,
     out: dict[str, Any] = {"format": FORMAT, "version": 1, "seq_len": seq_len,
                            "layers": len(layers), "device": str(device),
                            "dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
-                           "repeats": repeats, "forward": {}, "backward": {}}
+                           "repeats": repeats, "forward": {}, "backward": {},
+                           "rest_forward": {}, "rest_backward": {}}
     total, done = len(counts) * (repeats + 1), 0
     try:
         for n in counts:
             rows, length = (max(1, n // seq_len), seq_len) if n >= seq_len else (1, n)
             ids = torch.randint(0, vocab, (rows, length), generator=gen).to(device)
-            best_f = best_b = float("inf")
+            best = [float("inf")] * 4     # layer f, layer b, rest f, rest b
             for r in range(repeats + 1):   # pass 0 warms up (allocator, kernels)
                 timer.reset()
+                timer._mark("f0")          # brackets the whole pass (not a layer's)
                 result = model(input_ids=ids)
                 hidden = getattr(result, "logits", None)
                 if hidden is None:
                     hidden = getattr(result, "last_hidden_state", None)
                 if hidden is None:
                     hidden = result[0]
-                hidden.float().mean().backward()
+                loss = hidden.float().mean()
+                timer._mark("f1")
+                timer._mark("b0")
+                loss.backward()
+                timer._mark("b1")
                 model.zero_grad(set_to_none=True)
-                f, b = timer.per_layer()
+                (f, b), (rest_f, rest_b) = timer.per_layer()
                 if r:
-                    best_f, best_b = min(best_f, f), min(best_b, b)
+                    best = [min(x, y) for x, y in zip(best, (f, b, rest_f, rest_b))]
                 done += 1
                 if progress is not None:
                     progress(done, total)
-            out["forward"][str(rows * length)] = best_f
-            out["backward"][str(rows * length)] = best_b
+            for key, v in zip(("forward", "backward", "rest_forward", "rest_backward"), best):
+                out[key][str(rows * length)] = v
     finally:
         timer.remove()
     return out
