@@ -131,9 +131,9 @@ def cmd_plan_demo(args: argparse.Namespace) -> int:
 
 def cmd_profile_layers(args: argparse.Namespace) -> int:
     import torch
-    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+    from transformers import AutoConfig
 
-    from .runtime.layer_profile import profile_layers
+    from .runtime.layer_profile import profile_config
 
     try:
         config = AutoConfig.from_pretrained(args.model)
@@ -144,8 +144,6 @@ def cmd_profile_layers(args: argparse.Namespace) -> int:
         return 2
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16,
              "float16": torch.float16}[args.dtype]
-    build = AutoModelForCausalLM if args.head == "lm" else AutoModel
-    model = build.from_config(config, dtype=dtype)   # random weights: timing only
     bar = None
     if not args.quiet:
         from tqdm import tqdm
@@ -161,9 +159,9 @@ def cmd_profile_layers(args: argparse.Namespace) -> int:
         device = args.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        prof = profile_layers(model, tokens=args.tokens, seq_len=args.seq_len,
-                              repeats=args.repeats, device=device,
-                              vocab=config.vocab_size, progress=progress)
+        prof = profile_config(config, lm_head=args.head == "lm", dtype=dtype,
+                              tokens=args.tokens, seq_len=args.seq_len, repeats=args.repeats,
+                              device=device, progress=progress)
     finally:
         if bar is not None:
             bar.close()

@@ -166,13 +166,13 @@ def value_model(src: ModelSource, vocab_size: int, seed: int = 0) -> CriticModel
     return seeded(seed, lambda: CriticModel(backbone))
 
 
-def model_configs(cfg: ModelsConfig, vocab: int | None = None) -> dict[str, Any]:
+def model_configs(cfg: ModelsConfig) -> dict[str, Any]:
     """Per model (actor, critic, ref, reward): its source's ``transformers`` config, ``None``
-    for a rule reward (no network). Nothing is loaded but the configs (and the tokenizer when
-    ``vocab`` is not given)."""
+    for a rule reward (no network). Nothing is loaded but the configs (and the tokenizer,
+    whose vocabulary the tiny configs take)."""
     from transformers import AutoConfig
 
-    vocab = vocab or int(load_tokenizer(cfg).vocab_size)
+    vocab = int(load_tokenizer(cfg).vocab_size)
 
     def config(src: ModelSource) -> Any:
         return (_config_of(src, vocab)[0] if isinstance(src, Mapping)
@@ -187,13 +187,11 @@ def model_configs(cfg: ModelsConfig, vocab: int | None = None) -> dict[str, Any]
     return out
 
 
-def model_shapes(cfg: ModelsConfig) -> dict[str, dict[str, Any]]:
-    """Per model (actor, critic, ref, reward): the shape the placement planner needs
-    (``params``, ``layers``, ``hidden``, ``vocab``, ``heads``, ``kv_heads``), from the sources'
-    configs; parameters are counted on the meta device, so nothing is loaded or allocated."""
+def model_shapes(configs: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """Per model role of ``configs`` (:func:`model_configs`): the shape the placement planner
+    needs (``params``, ``layers``, ``hidden``, ``vocab``, ``heads``, ``kv_heads``);
+    parameters are counted on the meta device, so nothing is allocated."""
     from transformers import AutoModelForCausalLM
-
-    vocab = int(load_tokenizer(cfg).vocab_size)
 
     def shape(config: Any) -> dict[str, Any]:
         with torch.device("meta"):
@@ -205,9 +203,9 @@ def model_shapes(cfg: ModelsConfig) -> dict[str, dict[str, Any]]:
                 "kv_heads": int(getattr(get, "num_key_value_heads", heads) or heads)}
 
     # A rule costs next to nothing: the smallest model the planner takes stands in for it.
-    rule = {"params": 1e3, "layers": 1, "hidden": 8, "vocab": vocab, "heads": 1}
-    return {role: rule if conf is None else shape(conf)
-            for role, conf in model_configs(cfg, vocab).items()}
+    rule = {"params": 1e3, "layers": 1, "hidden": 8, "heads": 1,
+            "vocab": int(configs["actor"].vocab_size)}
+    return {role: rule if conf is None else shape(conf) for role, conf in configs.items()}
 
 
 def vowel_fraction(prompt: str, response: str, *, window: int = 8) -> float:

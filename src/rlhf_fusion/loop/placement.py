@@ -165,14 +165,15 @@ def search_plan(cfg: Any, prompt_len: float, out: str | Path) -> str:
     path. Run once, before the processes start: every rank must run the same plan."""
     from ..placement import Cluster, PlacementError, PlacementProblem, resolve_model, search
     from .config import offload_names
-    from .models import model_shapes
+    from .models import model_configs, model_shapes
 
     pl, g, p = cfg.placement, cfg.generation, cfg.ppo
-    profiles = (profile_models(cfg, seq_len=max(1, round(prompt_len)) + g.max_new_tokens,
+    configs = model_configs(cfg.models)
+    profiles = (profile_models(configs, seq_len=max(1, round(prompt_len)) + g.max_new_tokens,
                                out=Path(out).parent / "profiles") if pl.profile else {})
     try:
         shapes = {role: resolve_model(sh, f"models.{role}")
-                  for role, sh in model_shapes(cfg.models).items()}
+                  for role, sh in model_shapes(configs).items()}
         problem = PlacementProblem(
             models=shapes, cluster=Cluster.uniform(1, cfg.world_size, pl.hardware),
             batch=g.prompts_per_iteration, prompt_len=max(1, round(prompt_len)),
@@ -189,35 +190,29 @@ def search_plan(cfg: Any, prompt_len: float, out: str | Path) -> str:
     return str(path)
 
 
-def profile_models(cfg: Any, seq_len: int, out: Path) -> dict[str, Any]:
+def profile_models(configs: Mapping[str, Any], seq_len: int, out: Path) -> dict[str, Any]:
     """Per model role, its decoder layers' forward/backward times measured where the loop
     computes (:func:`rlhf_fusion.runtime.layer_profile.profile_layers`, random weights from
     the source's config; Actor and Ref with their vocabulary head, Critic and Reward as
     backbones), written to ``out/ROLE.json``; one measurement per distinct network and head
     (a role that shares its source's config shares the measurement)."""
-    import torch
-    from transformers import AutoModel, AutoModelForCausalLM
-
     from ..placement import Profile
-    from ..runtime.layer_profile import profile_layers
-    from .models import model_configs, seeded
+    from ..runtime.layer_profile import profile_config
 
     rows = min(seq_len, 512)
     tokens = [rows * k for k in (1, 2, 4, 8)]
     out.mkdir(parents=True, exist_ok=True)
     done: dict[tuple[int, bool], Any] = {}
     profiles = {}
-    for role, conf in model_configs(cfg.models).items():
+    for role, conf in configs.items():
         if conf is None:
             continue   # a rule reward: no layers
         lm = role in ("actor", "ref")   # a vocabulary head; a Critic's value head is a column
         key = (id(conf), lm)
         if key not in done:
-            build = AutoModelForCausalLM if lm else AutoModel
-            model = seeded(0, lambda c=conf, b=build: b.from_config(c).to(torch.float32))
             # The loop's processes compute on the CPU, in float32.
-            done[key] = profile_layers(model, tokens=tokens, seq_len=rows, repeats=2,
-                                       device="cpu", vocab=conf.vocab_size)
+            done[key] = profile_config(conf, lm_head=lm, tokens=tokens, seq_len=rows,
+                                       repeats=2, device="cpu")
         prof = done[key]
         (out / f"{role}.json").write_text(json.dumps(prof, indent=1) + "\n")
         profiles[role] = Profile.from_dict(prof, f"profile of {role}")

@@ -51,13 +51,13 @@ class _LayerTimer:
         self.handles = []
         for layer in layers:
             self.handles += [
-                layer.register_forward_pre_hook(lambda *_: self._mark("f0")),
-                layer.register_forward_hook(lambda *_: self._mark("f1")),
-                layer.register_full_backward_pre_hook(lambda *_: self._mark("b0")),
-                layer.register_full_backward_hook(lambda *_: self._mark("b1")),
+                layer.register_forward_pre_hook(lambda *_: self.mark("f0")),
+                layer.register_forward_hook(lambda *_: self.mark("f1")),
+                layer.register_full_backward_pre_hook(lambda *_: self.mark("b0")),
+                layer.register_full_backward_hook(lambda *_: self.mark("b1")),
             ]
 
-    def _mark(self, key: str) -> None:
+    def mark(self, key: str) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         self.marks[key].append(time.perf_counter())
@@ -123,7 +123,7 @@ def profile_layers(model: nn.Module, *, tokens: Sequence[int] = (256, 512, 1024,
             best = [float("inf")] * 4     # layer f, layer b, rest f, rest b
             for r in range(repeats + 1):   # pass 0 warms up (allocator, kernels)
                 timer.reset()
-                timer._mark("f0")          # brackets the whole pass (not a layer's)
+                timer.mark("f0")          # brackets the whole pass (not a layer's)
                 result = model(input_ids=ids)
                 hidden = getattr(result, "logits", None)
                 if hidden is None:
@@ -131,10 +131,10 @@ def profile_layers(model: nn.Module, *, tokens: Sequence[int] = (256, 512, 1024,
                 if hidden is None:
                     hidden = result[0]
                 loss = hidden.float().mean()
-                timer._mark("f1")
-                timer._mark("b0")
+                timer.mark("f1")
+                timer.mark("b0")
                 loss.backward()
-                timer._mark("b1")
+                timer.mark("b1")
                 model.zero_grad(set_to_none=True)
                 (f, b), (rest_f, rest_b) = timer.per_layer()
                 if r:
@@ -147,3 +147,17 @@ def profile_layers(model: nn.Module, *, tokens: Sequence[int] = (256, 512, 1024,
     finally:
         timer.remove()
     return out
+
+
+def profile_config(config: Any, *, lm_head: bool, dtype: torch.dtype = torch.float32,
+                   **kw: Any) -> dict[str, Any]:
+    """:func:`profile_layers` on a model built from a ``transformers`` config with random
+    weights (timing needs no trained ones): with its vocabulary head (an Actor or Ref) or the
+    backbone alone (a Critic or Reward, whose value head is one column)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    build = AutoModelForCausalLM if lm_head else AutoModel
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        model = build.from_config(config, dtype=dtype)
+    return profile_layers(model, vocab=config.vocab_size, **kw)

@@ -231,10 +231,6 @@ class OffloadSet:
         for o in self.offloads.values():
             o.prefetch()
 
-    def wait(self) -> None:
-        for o in self.offloads.values():
-            o.wait()
-
     def take_stats(self) -> OffloadStats:
         total = OffloadStats()
         for o in self.offloads.values():
@@ -243,6 +239,3 @@ class OffloadSet:
 
     def __iter__(self) -> Iterator[HostOffload]:
         return iter(self.offloads.values())
-
-    def __len__(self) -> int:
-        return len(self.offloads)
