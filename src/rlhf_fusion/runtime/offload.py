@@ -76,6 +76,9 @@ class HostOffload:
         self.module = module
         self.name = name
         self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            # Tensors always carry an index ("cuda:0"), so a bare "cuda" would never match them.
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self._cuda = self.device.type == "cuda"
         slots: dict[torch.dtype, list[_Slot]] = {}
         sizes: dict[torch.dtype, int] = {}
