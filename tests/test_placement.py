@@ -526,3 +526,23 @@ def test_zero3_search_proposes_zero3_strategies():
         return any(c.strategy.zero == 3 for lst in cands.values() for c in lst)
 
     assert zero("zero3") and not zero("megatron")
+
+
+def test_generation_rounds_leave_room_for_co_resident_models():
+    """gen_rounds sizes the KV cache against everything resident on the GPU (all four models'
+    static memory), so a co-located 13B ZeRO-3 plan on one node splits generation into more
+    rounds and fits at batches where sizing against the Actor's weights alone overflowed."""
+    for per_gpu in (32, 48, 64):
+        p = PlacementProblem.from_dict({
+            "models": {"actor": "llama-13b", "critic": "llama-13b"},
+            "cluster": {"nodes": 1, "gpus_per_node": 8}, "batch": 8 * per_gpu,
+            "prompt_len": 256, "gen_len": 256, "parallelism": "zero3", "ppo_minibatches": 1})
+        est = Estimator(p)
+        plan = preset_plan(p, "colocated", estimator=est)
+        e = est.estimate(plan)
+        assert not e.oom, per_gpu
+        gen = plan.calls["actor_gen"]
+        resident = est.gen_resident(plan)
+        assert resident > est.static_memory(plan)[gen.mesh.ranks[0]] > 0
+        assert est.cost.gen_rounds(gen.mesh, gen.strategy, resident) > est.cost.gen_rounds(
+            gen.mesh, gen.strategy)

@@ -91,14 +91,18 @@ class CostModel:
     def micro_batch(self, factor: int = 1) -> int:
         return max(1, factor * self.p.micro_batch_tokens // self.p.seq_len)
 
-    def gen_rounds(self, mesh: DeviceMesh, s: ParallelStrategy) -> int:
+    def gen_rounds(self, mesh: DeviceMesh, s: ParallelStrategy,
+                   resident: float | None = None) -> int:
         """Generation splits a replica's batch into rounds when its KV cache would not fit in
-        half of the memory its weights leave free."""
+        half of the memory left free by what is resident on the GPU: ``resident`` bytes (the
+        estimator passes every model's static memory there plus a reallocated copy), or,
+        without a plan, the generating weights alone."""
         m = self.model("actor_gen")
         hw = self.hw(mesh)
         b = math.ceil(self.p.batch / s.dp)
         kv = b * self.p.seq_len * m.kv_bytes_per_token / (s.tp * s.pp)
-        resident = m.param_bytes / (s.tp * s.pp) / (s.dp if s.sharded else 1)
+        if resident is None:
+            resident = m.param_bytes / (s.tp * s.pp) / (s.dp if s.sharded else 1)
         free = 0.5 * (hw.hbm_bytes * (1 - hw.memory_reserve) - resident)
         if free <= 0:
             return b
@@ -115,8 +119,10 @@ class CostModel:
             return self.p.batch >= self.p.ppo_minibatches * s.dp
         return self.p.batch >= s.dp
 
-    def time(self, call: str, mesh: DeviceMesh, s: ParallelStrategy) -> float:
-        key = (call, mesh.ranks, s)
+    def time(self, call: str, mesh: DeviceMesh, s: ParallelStrategy,
+             resident: float | None = None) -> float:
+        """``resident``: static bytes on the generation GPUs (see ``gen_rounds``)."""
+        key = (call, mesh.ranks, s, resident if call == "actor_gen" else None)
         t = self._time.get(key)
         if t is None:
             kind = CALL_KIND[call]
@@ -125,7 +131,7 @@ class CostModel:
             elif kind == "inference":
                 t = self.inference_time(call, mesh, s)
             else:
-                t = self.generate_time(mesh, s)
+                t = self.generate_time(mesh, s, resident)
             self._time[key] = t
         return t
 
@@ -217,10 +223,11 @@ class CostModel:
         m, hw = self.model("actor_gen"), self.hw(mesh)
         return 2 * m.params / (s.tp * s.pp * hw.flops * hw.infer_mfu)
 
-    def generate_time(self, mesh: DeviceMesh, s: ParallelStrategy) -> float:
+    def generate_time(self, mesh: DeviceMesh, s: ParallelStrategy,
+                      resident: float | None = None) -> float:
         p = self.p
         b = math.ceil(p.batch / s.dp)
-        rounds = self.gen_rounds(mesh, s)
+        rounds = self.gen_rounds(mesh, s, resident)
         per_round = math.ceil(b / rounds)
         base, per_sample, per_kv = self.decode_step(mesh, s)
         prefill = (self.prefill_per_token(mesh, s) * b * p.prompt_len * (1 + (s.pp - 1) / b)
@@ -241,7 +248,7 @@ class CostModel:
         return 2 * shard
 
     def dynamic_bytes(self, call: str, mesh: DeviceMesh, s: ParallelStrategy,
-                      holds_copy: bool) -> float:
+                      holds_copy: bool, resident: float | None = None) -> float:
         m, p = self.model(call), self.p
         kind = CALL_KIND[call]
         copy = m.param_bytes / (s.tp * s.pp) if holds_copy else 0.0
@@ -249,7 +256,7 @@ class CostModel:
             copy = copy / s.dp + 2 * m.param_bytes / m.layers / s.tp
         if kind == "generate":
             b = math.ceil(p.batch / s.dp)
-            per_round = math.ceil(b / self.gen_rounds(mesh, s))
+            per_round = math.ceil(b / self.gen_rounds(mesh, s, resident))
             kv = per_round * p.seq_len * m.kv_bytes_per_token / (s.tp * s.pp)
             logits = per_round * m.vocab * 4 / s.tp
             return copy + kv + logits
