@@ -52,7 +52,7 @@ def candidates(problem: PlacementProblem, estimator: Estimator) -> dict[str, lis
             cap = cost.capacity(mesh.group)
             for s in strategies_for(mesh, problem.models[model], max_tp=problem.max_tp,
                                     max_pp=problem.max_pp,
-                                    zero3=problem.parallelism == "zero3"):
+                                    zero3=problem.parallelism != "megatron"):
                 if not cost.feasible(call, mesh, s):
                     continue
                 # Alone, a trainable model's generation or inference call holds only the
