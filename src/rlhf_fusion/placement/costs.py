@@ -286,17 +286,17 @@ class CostModel:
     def lora_fuse_time(self, mesh: DeviceMesh, s: ParallelStrategy) -> float:
         """The hybrid engine fuses the LoRA adapters into the weights before generating and
         unfuses them after (DeepSpeed ``hybrid_engine.py`` fuse_lora_weight/unfuse_lora_weight:
-        W += scaling·A·B per linear, 2·r·in·out FLOPs each way, read and write of W). Unpinned
-        ZeRO-3 unfuses layer by layer under one more gather (``unfuse_lora_weight_non_pinned``).
+        W += scaling·A·B per linear, 2·r·in·out FLOPs each way, a read and a write of W, on
+        the whole (gathered) layers). Unpinned ZeRO-3 unfuses layer by layer under one more
+        gather (``unfuse_lora_weight_non_pinned``).
         """
         if not self.p.lora_dim:
             return 0.0
         m, hw = self.model("actor_gen"), self.hw(mesh)
-        shard = m.params / (s.tp * s.pp) / (s.dp if s.sharded else 1)
-        flops = 2 * 2 * self.p.lora_dim * m.params / (s.tp * s.pp)
-        t = 2 * (flops / (hw.flops * hw.infer_mfu)
-                 + 2 * 2 * shard / (hw.hbm_bw * hw.hbm_efficiency))
-        return t + self.zero_gather("actor_gen", mesh, s)
+        local = m.params / (s.tp * s.pp)
+        one_way = (2 * self.p.lora_dim * local / (hw.flops * hw.infer_mfu)
+                   + 2 * 2 * local / (hw.hbm_bw * hw.hbm_efficiency))
+        return 2 * one_way + self.zero_gather("actor_gen", mesh, s)
 
     # -- memory ----------------------------------------------------------------------------
     def static_bytes(self, model: str, s: ParallelStrategy, trainable: bool) -> float:

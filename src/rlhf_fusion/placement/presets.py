@@ -24,7 +24,9 @@ pipeline stages) at which the plan fits, data parallelism for the rest, one stra
 a model's calls on the same mesh. ``zero3``: DeepSpeed-Chat's (FlexRLHF's baseline system):
 every call ZeRO-3 data parallel over its whole mesh, and generation through the hybrid engine,
 tensor parallel at the smallest degree that fits (its gather from the ZeRO-3 shards is the
-reallocation node before generation).
+reallocation node before generation). ``deepspeed-chat``: DeepSpeed-Chat as FlexRLHF measures it
+(``DS_CHAT_CONFIGS``, ``_ds_chat_ladder``): ZeRO-2 with replicated Ref and Reward where that
+fits, else ZeRO-3, and the hybrid engine gathering the Actor once or on every decode step.
 """
 
 from __future__ import annotations
