@@ -150,7 +150,9 @@ class CostModel:
     def time(self, call: str, mesh: DeviceMesh, s: ParallelStrategy,
              resident: float | None = None) -> float:
         """``resident``: static bytes on the generation GPUs (see ``gen_rounds``)."""
-        key = (call, mesh.ranks, s, resident if call == "actor_gen" else None)
+        # generation depends on what is resident only through its number of rounds
+        key = (call, mesh.ranks, s,
+               self.gen_rounds(mesh, s, resident) if call == "actor_gen" else None)
         t = self._time.get(key)
         if t is None:
             kind = CALL_KIND[call]

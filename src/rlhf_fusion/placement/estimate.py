@@ -87,9 +87,10 @@ class Estimator:
             out += m.param_bytes / (s.tp * s.pp) / (s.dp if s.sharded else 1)
         return out
 
-    def call_durations(self, plan: ExecutionPlan) -> tuple[dict[str, float], dict[str, Any]]:
+    def call_durations(self, plan: ExecutionPlan, static: dict[int, float] | None = None
+                       ) -> tuple[dict[str, float], dict[str, Any]]:
         c, p = self.cost, self.p
-        resident = self.gen_resident(plan)
+        resident = self.gen_resident(plan, static)
         d = {k: c.time(k, plan.calls[k].mesh, plan.calls[k].strategy,
                        resident if k == "actor_gen" else None) for k in CALLS}
         notes: dict[str, Any] = {}
@@ -97,7 +98,8 @@ class Estimator:
             gen = plan.calls["actor_gen"]
             absorbed = tuple(k for k in ("ref_inf", "reward_inf", "critic_inf")
                              if plan.calls[k].same_layout(gen))
-            key = (gen.mesh.ranks, gen.strategy, absorbed, resident)
+            key = (gen.mesh.ranks, gen.strategy, absorbed,
+                   c.gen_rounds(gen.mesh, gen.strategy, resident))
             if key not in self._rollout:
                 self._rollout[key] = rollout_time(c, gen.mesh, gen.strategy, absorbed, resident)
             d["actor_gen"], info = self._rollout[key]
@@ -144,11 +146,12 @@ class Estimator:
                     static[r] += b
         return static
 
-    def memory(self, plan: ExecutionPlan) -> dict[int, float]:
+    def memory(self, plan: ExecutionPlan, static: dict[int, float] | None = None
+               ) -> dict[int, float]:
         """Bytes per GPU: static + the largest dynamic. Fused training is assumed to peak as the
         larger of the two models alone (the schedule's memory pass holds it near serial 1F1B)."""
         c = self.cost
-        static = self.static_memory(plan)
+        static = self.static_memory(plan) if static is None else static
         resident = self.gen_resident(plan, static)
         dyn: dict[int, float] = defaultdict(float)
         copies = self.needs_realloc(plan)
@@ -165,7 +168,8 @@ class Estimator:
     def estimate(self, plan: ExecutionPlan, *, keep_timeline: bool = True) -> Estimate:
         self.evaluations += 1
         p = self.p
-        d, notes = self.call_durations(plan)
+        static = self.static_memory(plan)
+        d, notes = self.call_durations(plan, static)
         reallocs = self.needs_realloc(plan)
         rtime = {k: self.realloc_seconds(m, plan.calls[TRAIN_CALL[m]], plan.calls[k])
                  for k, m in reallocs.items()}
@@ -197,7 +201,7 @@ class Estimator:
                                    call=k, model=CALL_MODEL[k]))
                 index[(k, t)] = len(nodes) - 1
         tl = simulate(nodes)
-        mem = self.memory(plan)
+        mem = self.memory(plan, static)
         oom = False
         peak, cap = 0.0, 0.0
         for r, b in mem.items():
