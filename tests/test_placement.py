@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import dataclasses
 import itertools
 import subprocess
 import sys
@@ -489,8 +490,8 @@ def test_zero3_presets_generate_through_the_hybrid_engine():
     plan = preset_plan(p, "colocated", estimator=est)
     for call in CALLS:
         s = plan.calls[call].strategy
-        if call == "actor_gen":
-            assert s.zero == 0 and s.pp == 1 and s.tp > 1
+        if call == "actor_gen":   # the smallest tp that fits: 1 since generation rounds
+            assert s.zero == 0 and s.pp == 1   # leave room for the co-resident models
         else:
             assert s == ParallelStrategy(8, 1, 1, 3)
     assert est.needs_realloc(plan) == {"actor_gen": "actor"}
@@ -526,3 +527,92 @@ def test_zero3_search_proposes_zero3_strategies():
         return any(c.strategy.zero == 3 for lst in cands.values() for c in lst)
 
     assert zero("zero3") and not zero("megatron")
+
+
+def test_generation_rounds_leave_room_for_co_resident_models():
+    """gen_rounds sizes the KV cache against everything resident on the GPU (all four models'
+    static memory), so a co-located 13B ZeRO-3 plan on one node splits generation into more
+    rounds and fits at batches where sizing against the Actor's weights alone overflowed."""
+    for per_gpu in (32, 48, 64):
+        p = PlacementProblem.from_dict({
+            "models": {"actor": "llama-13b", "critic": "llama-13b"},
+            "cluster": {"nodes": 1, "gpus_per_node": 8}, "batch": 8 * per_gpu,
+            "prompt_len": 256, "gen_len": 256, "parallelism": "zero3", "ppo_minibatches": 1})
+        est = Estimator(p)
+        plan = preset_plan(p, "colocated", estimator=est)
+        e = est.estimate(plan)
+        assert not e.oom, per_gpu
+        gen = plan.calls["actor_gen"]
+        resident = est.gen_resident(plan)
+        assert resident > est.static_memory(plan)[gen.mesh.ranks[0]] > 0
+        assert est.cost.gen_rounds(gen.mesh, gen.strategy, resident) > est.cost.gen_rounds(
+            gen.mesh, gen.strategy)
+
+
+def _flex_problem(size: str, nodes: int, **kw) -> PlacementProblem:
+    cfg = {"models": {"actor": size, "critic": size},
+           "cluster": {"nodes": nodes, "gpus_per_node": 8,
+                       "hardware": {"base": "a100-80g", "ib_bw": 12.5e9}},
+           "batch": 8 * nodes, "prompt_len": 256, "gen_len": 256, "ppo_minibatches": 1,
+           "lora_dim": 4, "whole_batch": True, "parallelism": "deepspeed-chat"}
+    cfg.update(kw)
+    return PlacementProblem.from_dict(cfg)
+
+
+def test_lora_charges_gradients_and_adam_state_to_the_adapters_only():
+    p = _flex_problem("llama-7b", 1)
+    c = CostModel(p)
+    m = p.models["actor"]
+    h, ffn, r = 4096, 11008, 4
+    adapters = m.layers * r * (4 * 2 * h + 3 * (h + ffn))   # q k v o, gate up down
+    assert c.trainable_params("actor") == pytest.approx(adapters, rel=0.01)
+    z2 = ParallelStrategy(8, 1, 1, 2)
+    assert c.static_bytes("actor", z2, True) == pytest.approx(
+        2 * m.params + c.trainable_params("actor") * (2 + 14 / 8))
+    full = CostModel(_flex_problem("llama-7b", 1, lora_dim=0))
+    assert full.static_bytes("actor", z2, True) == pytest.approx(m.params * (2 + 14 / 8))
+    # frozen weights get no weight gradients: 6 instead of 8 FLOPs per param and token
+    s = ParallelStrategy(8, 1, 1)
+    node = make_mesh(p.cluster, "main", 0, 1)
+    assert c._layer_compute("actor_train", 1e4, s, c.hw(node), True) == pytest.approx(
+        0.75 * full._layer_compute("actor_train", 1e4, s, c.hw(node), True))
+
+
+@pytest.mark.parametrize("size, stage, gen_zero, realloc", [
+    ("llama-7b", 2, 2, False),     # ZeRO-2, Ref/Reward replicated, generation in place
+    ("llama-13b", 3, 0, True),     # ZeRO-3, the hybrid engine gathers the Actor once
+    ("llama-33b", 3, 3, False),    # gathered 33B does not fit beside the shards: per step
+])
+def test_deepspeed_chat_picks_its_zero_stage_and_hybrid_engine_mode_by_fit(size, stage,
+                                                                           gen_zero, realloc):
+    p = _flex_problem(size, 1)
+    est = Estimator(p)
+    plan = preset_plan(p, "colocated", estimator=est)
+    assert plan.calls["actor_train"].strategy == ParallelStrategy(8, 1, 1, stage)
+    assert plan.calls["ref_inf"].strategy.zero == (3 if stage == 3 else 0)
+    gen = plan.calls["actor_gen"]
+    assert gen.strategy == ParallelStrategy(8, 1, 1, gen_zero)
+    assert ("actor_gen" in est.needs_realloc(plan)) == realloc
+    assert not est.estimate(plan).oom
+    if gen_zero == 3:   # every decode step gathers every layer
+        assert est.cost.generate_time(gen.mesh, gen.strategy) > p.gen_len * est.cost.zero_gather(
+            "actor_gen", gen.mesh, gen.strategy)
+
+
+def test_max_batch_is_the_largest_that_fits_and_interleaving_frees_room():
+    from rlhf_fusion.placement import max_batch
+    from rlhf_fusion.placement.presets import preset_placement
+
+    p = _flex_problem("llama-7b", 1)
+    out = {}
+    for name in ("colocated", "interleaved"):
+        r = max_batch(p, lambda q, e, n=name: placement_plan(q, preset_placement(n),
+                                                              estimator=e), refit=False)
+        assert r is not None and not r.estimate.oom
+        assert r.throughput == pytest.approx(r.batch / r.estimate.iteration_time)
+        bigger = dataclasses.replace(p, batch=r.batch + 8)
+        assert Estimator(bigger).estimate(r.plan).oom
+        out[name] = r
+    # FlexRLHF V-B1: interleaving halves the frozen models' memory, so the batch grows
+    assert out["interleaved"].per_gpu > out["colocated"].per_gpu
+    assert out["interleaved"].throughput > out["colocated"].throughput

@@ -102,3 +102,32 @@ def test_cli_plan_bad_config_names_the_fix(tmp_path, capsys):
     assert "models.actor" in err and "llama-7b" in err
     assert main(["plan", str(tmp_path / "missing.yaml"), "--quiet"]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_candidate_filter_charges_a_generation_call_only_its_reallocated_copy():
+    """A trainable model's generation candidate holds the reallocated copy alone (its training
+    state lives with the training call): every layout where that copy and the call's own
+    memory fit is a candidate, including ones where the frozen weights *plus* the copy would
+    not (33B Actor on one node: the filter used to drop these)."""
+    from rlhf_fusion.placement.mesh import enumerate_meshes
+    from rlhf_fusion.placement.search import candidates
+    from rlhf_fusion.placement.strategy import strategies_for
+
+    p = PlacementProblem.from_dict({"models": {"actor": "llama-33b", "critic": "llama-7b"},
+                                    "cluster": {"nodes": 1, "gpus_per_node": 8}, "batch": 128,
+                                    "prompt_len": 256, "gen_len": 256})
+    est = Estimator(p)
+    c = est.cost
+    got = {(x.mesh.ranks, x.strategy) for x in candidates(p, est)["actor_gen"]}
+    want, double_counted = set(), 0
+    for mesh in enumerate_meshes(p.cluster, p.mesh_min_gpus):
+        for s in strategies_for(mesh, p.models["actor"]):
+            if not c.feasible("actor_gen", mesh, s):
+                continue
+            alone = c.dynamic_bytes("actor_gen", mesh, s, True)
+            if alone <= c.capacity(mesh.group):
+                want.add((mesh.ranks, s))
+                if alone + c.static_bytes("actor", s, False) > c.capacity(mesh.group):
+                    double_counted += 1
+    assert double_counted > 0   # the case the old filter got wrong is present
+    assert got == want

@@ -6,10 +6,20 @@ strategies, parameter reallocation, the Algorithm 1 estimator and the Metropolis
 search. Method and limits: ``docs/placement.md``.
 """
 
+from .batch import BatchResult, max_batch
 from .errors import PlacementError
 from .estimate import Estimate, Estimator
 from .graph import CALLS, MODELS, build_graph
-from .hardware import A100_80G, H100_80G, HARDWARE, Cluster, DeviceGroup, Hardware, hardware
+from .hardware import (
+    A100_80G,
+    H100_80G,
+    HARDWARE,
+    V100_32G,
+    Cluster,
+    DeviceGroup,
+    Hardware,
+    hardware,
+)
 from .mesh import DeviceMesh, enumerate_meshes, make_mesh, mesh_from_ranks
 from .models import MODEL_PRESETS, ModelShape, resolve_model
 from .plan import CallPlacement, ExecutionPlan
@@ -30,6 +40,9 @@ from .strategy import ParallelStrategy, check_strategy, strategies_for
 from .timeline import Timeline, TNode, simulate
 
 __all__ = [
+    "BatchResult",
+    "max_batch",
+    "V100_32G",
     "A100_80G", "CALLS", "H100_80G", "HARDWARE", "MODELS", "MODEL_PRESETS", "PRESET_NAMES",
     "CallPlacement", "Cluster", "DeviceGroup", "DeviceMesh", "Estimate", "Estimator",
     "ExecutionPlan", "Fusion", "Hardware", "Layout", "ModelShape", "ParallelStrategy",

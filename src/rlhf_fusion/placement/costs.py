@@ -89,16 +89,48 @@ class CostModel:
                 + m.layers / s.pp * hw.link_latency_s)
 
     def micro_batch(self, factor: int = 1) -> int:
+        if self.p.whole_batch:     # DeepSpeed-Chat: a replica's whole share in one pass
+            return self.p.batch
         return max(1, factor * self.p.micro_batch_tokens // self.p.seq_len)
 
-    def gen_rounds(self, mesh: DeviceMesh, s: ParallelStrategy) -> int:
+    def trainable_params(self, model: str) -> float:
+        """Parameters that get gradients and Adam state: all of them, or with ``lora_dim`` r
+        the adapters r·(in + out) of every linear layer of every decoder layer (q, k, v, o,
+        gate, up, down: DeepSpeed-Chat's ``--*_lora_module_name layers.``). The MLP width
+        comes from the parameter count (params = embeddings + layers·(attention + 3·h·ffn))."""
+        m = self.p.models[model]
+        r = self.p.lora_dim
+        if not r:
+            return m.params
+        h = m.hidden
+        kv = h * m.kv_heads / m.heads
+        attn = 2 * h * h + 2 * h * kv
+        ffn = max(h, ((m.params - 2 * m.vocab * h) / m.layers - attn) / (3 * h))
+        per_layer = r * ((h + h) * 2 + (h + kv) * 2 + 3 * (h + ffn))
+        return m.layers * per_layer
+
+    def _overlapped(self) -> bool:
+        """ZeRO-3 prefetch overlaps the next layers' gathers with this layer's compute in
+        training and inference forwards (DeepSpeed-Chat's config: overlap_comm,
+        stage3_prefetch_bucket_size); the hybrid engine's per-layer gathers in decode do not
+        (``_zero3_forward`` gathers a layer synchronously before running it)."""
+        return self.p.parallelism == "deepspeed-chat"
+
+    def gen_rounds(self, mesh: DeviceMesh, s: ParallelStrategy,
+                   resident: float | None = None) -> int:
         """Generation splits a replica's batch into rounds when its KV cache would not fit in
-        half of the memory its weights leave free."""
+        half of the memory left free by what is resident on the GPU: ``resident`` bytes (the
+        estimator passes every model's static memory there plus a reallocated copy), or,
+        without a plan, the generating weights alone. ``whole_batch``: one round (HF
+        ``generate`` on the replica's whole batch, as DeepSpeed-Chat does)."""
+        if self.p.whole_batch:
+            return 1
         m = self.model("actor_gen")
         hw = self.hw(mesh)
         b = math.ceil(self.p.batch / s.dp)
         kv = b * self.p.seq_len * m.kv_bytes_per_token / (s.tp * s.pp)
-        resident = m.param_bytes / (s.tp * s.pp) / (s.dp if s.sharded else 1)
+        if resident is None:
+            resident = m.param_bytes / (s.tp * s.pp) / (s.dp if s.sharded else 1)
         free = 0.5 * (hw.hbm_bytes * (1 - hw.memory_reserve) - resident)
         if free <= 0:
             return b
@@ -115,8 +147,12 @@ class CostModel:
             return self.p.batch >= self.p.ppo_minibatches * s.dp
         return self.p.batch >= s.dp
 
-    def time(self, call: str, mesh: DeviceMesh, s: ParallelStrategy) -> float:
-        key = (call, mesh.ranks, s)
+    def time(self, call: str, mesh: DeviceMesh, s: ParallelStrategy,
+             resident: float | None = None) -> float:
+        """``resident``: static bytes on the generation GPUs (see ``gen_rounds``)."""
+        # generation depends on what is resident only through its number of rounds
+        key = (call, mesh.ranks, s,
+               self.gen_rounds(mesh, s, resident) if call == "actor_gen" else None)
         t = self._time.get(key)
         if t is None:
             kind = CALL_KIND[call]
@@ -125,7 +161,7 @@ class CostModel:
             elif kind == "inference":
                 t = self.inference_time(call, mesh, s)
             else:
-                t = self.generate_time(mesh, s)
+                t = self.generate_time(mesh, s, resident)
             self._time[key] = t
         return t
 
@@ -145,7 +181,11 @@ class CostModel:
             b = prof.layer_backward(tok)
             return (layers * (f + b + (f if self.p.gradient_checkpointing else 0.0))
                     + rest + prof.rest(tok, backward=True))
+        # forward 2, activation gradients 2, weight gradients 2 (none for frozen weights under
+        # LoRA), recomputation 2
         flops = (8 if self.p.gradient_checkpointing else 6) if backward else 2
+        if backward and self.p.lora_dim:
+            flops -= 2
         mfu = hw.train_mfu if backward else hw.infer_mfu
         return flops * m.params / s.pp * tokens_per_gpu_replica / (s.tp * hw.flops * mfu)
 
@@ -167,13 +207,25 @@ class CostModel:
         if s.pp > 1:
             pp_comm = 2 * mb * (mbs * p.seq_len * m.hidden * 2 / s.tp / self._pp_bw(mesh, hw)
                                 + hw.link_latency_s)
-        # ZeRO-3: gather for forward and backward, reduce-scatter the gradients, per micro-batch
-        zero = 3 * mb * self.zero_gather(call, mesh, s)
-        stage = (compute + tp_comm + pp_comm + zero) * (1 + (s.pp - 1) / mb)
-        grad = 0.0 if s.sharded else _allreduce(2 * m.params / (s.tp * s.pp), s.dp,
-                                                self._dp_bw(mesh, s, hw), hw.link_latency_s)
+        # ZeRO-3: gather for forward and backward, reduce-scatter the gradients (of the
+        # trainable parameters only), per micro-batch
+        trainable = self.trainable_params(CALL_MODEL[call])
+        gather = self.zero_gather(call, mesh, s)
+        zero = mb * (2 * gather + gather * trainable / m.params)
+        if self._overlapped():
+            stage = (max(compute, zero) + tp_comm + pp_comm) * (1 + (s.pp - 1) / mb)
+        else:
+            stage = (compute + tp_comm + pp_comm + zero) * (1 + (s.pp - 1) / mb)
+        bw = self._dp_bw(mesh, s, hw)
+        grad_bytes = 2 * trainable / (s.tp * s.pp)
+        if s.sharded:
+            grad = 0.0
+        elif s.zero == 2:   # reduce-scatter: half an all-reduce's traffic
+            grad = (s.dp - 1) / s.dp * grad_bytes / bw + hw.link_latency_s if s.dp > 1 else 0.0
+        else:
+            grad = _allreduce(grad_bytes, s.dp, bw, hw.link_latency_s)
         # Adam reads and writes fp32 master, m, v and bf16 weight and grad: ~ 32 B per param.
-        optim = 32 * m.params / (s.tp * s.pp * s.dp) / (hw.hbm_bw * hw.hbm_efficiency)
+        optim = 32 * trainable / (s.tp * s.pp * s.dp) / (hw.hbm_bw * hw.hbm_efficiency)
         return steps * (stage + grad + optim)
 
     def inference_time(self, call: str, mesh: DeviceMesh, s: ParallelStrategy) -> float:
@@ -193,6 +245,8 @@ class CostModel:
             pp_comm = mb * (mbs * p.seq_len * m.hidden * 2 / s.tp / self._pp_bw(mesh, hw)
                             + hw.link_latency_s)
         zero = mb * self.zero_gather(call, mesh, s)
+        if self._overlapped():
+            return (max(compute, zero) + tp_comm + pp_comm) * (1 + (s.pp - 1) / mb)
         return (compute + tp_comm + pp_comm + zero) * (1 + (s.pp - 1) / mb)
 
     def decode_step(self, mesh: DeviceMesh, s: ParallelStrategy) -> tuple[float, float, float]:
@@ -217,10 +271,11 @@ class CostModel:
         m, hw = self.model("actor_gen"), self.hw(mesh)
         return 2 * m.params / (s.tp * s.pp * hw.flops * hw.infer_mfu)
 
-    def generate_time(self, mesh: DeviceMesh, s: ParallelStrategy) -> float:
+    def generate_time(self, mesh: DeviceMesh, s: ParallelStrategy,
+                      resident: float | None = None) -> float:
         p = self.p
         b = math.ceil(p.batch / s.dp)
-        rounds = self.gen_rounds(mesh, s)
+        rounds = self.gen_rounds(mesh, s, resident)
         per_round = math.ceil(b / rounds)
         base, per_sample, per_kv = self.decode_step(mesh, s)
         prefill = (self.prefill_per_token(mesh, s) * b * p.prompt_len * (1 + (s.pp - 1) / b)
@@ -228,20 +283,43 @@ class CostModel:
         g = p.gen_len
         kv_tokens = per_round * (g * p.prompt_len + g * (g - 1) / 2)
         decode = g * (base + per_sample * per_round) + per_kv * kv_tokens
-        return prefill + rounds * decode
+        return prefill + rounds * decode + self.lora_fuse_time(mesh, s)
+
+    def lora_fuse_time(self, mesh: DeviceMesh, s: ParallelStrategy) -> float:
+        """The hybrid engine fuses the LoRA adapters into the weights before generating and
+        unfuses them after (DeepSpeed ``hybrid_engine.py`` fuse_lora_weight/unfuse_lora_weight:
+        W += scaling·A·B per linear, 2·r·in·out FLOPs each way, a read and a write of W, on
+        the whole (gathered) layers). Unpinned ZeRO-3 unfuses layer by layer under one more
+        gather (``unfuse_lora_weight_non_pinned``).
+        """
+        if not self.p.lora_dim:
+            return 0.0
+        m, hw = self.model("actor_gen"), self.hw(mesh)
+        local = m.params / (s.tp * s.pp)
+        one_way = (2 * self.p.lora_dim * local / (hw.flops * hw.infer_mfu)
+                   + 2 * 2 * local / (hw.hbm_bw * hw.hbm_efficiency))
+        return 2 * one_way + self.zero_gather("actor_gen", mesh, s)
 
     # -- memory ----------------------------------------------------------------------------
     def static_bytes(self, model: str, s: ParallelStrategy, trainable: bool) -> float:
+        """bf16 weights; for the trainable parameters (all, or the LoRA adapters beside frozen
+        bf16 weights) also bf16 gradients and fp32 Adam state (master, m, v: 12 B). ZeRO-3
+        shards all of it over dp, ZeRO-2 the gradients and Adam state, Megatron's distributed
+        optimizer the Adam state."""
         m = self.p.models[model]
-        shard = m.params / (s.tp * s.pp)
-        if s.sharded:   # weights, gradients and the fp32 Adam state all sharded over dp
-            return shard * (16 if trainable else 2) / s.dp
-        if trainable:
-            return shard * (2 + 2 + 12 / s.dp)
-        return 2 * shard
+        tp_pp = s.tp * s.pp
+        if not trainable:
+            return 2 * m.params / tp_pp / (s.dp if s.sharded else 1)
+        t = self.trainable_params(model) / tp_pp
+        frozen = (m.params / tp_pp if self.p.lora_dim else 0.0)
+        if s.sharded:
+            return (2 * frozen + 16 * t) / s.dp
+        if s.zero == 2:
+            return 2 * frozen + t * (2 + 14 / s.dp)
+        return 2 * frozen + t * (2 + 2 + 12 / s.dp)
 
     def dynamic_bytes(self, call: str, mesh: DeviceMesh, s: ParallelStrategy,
-                      holds_copy: bool) -> float:
+                      holds_copy: bool, resident: float | None = None) -> float:
         m, p = self.model(call), self.p
         kind = CALL_KIND[call]
         copy = m.param_bytes / (s.tp * s.pp) if holds_copy else 0.0
@@ -249,7 +327,7 @@ class CostModel:
             copy = copy / s.dp + 2 * m.param_bytes / m.layers / s.tp
         if kind == "generate":
             b = math.ceil(p.batch / s.dp)
-            per_round = math.ceil(b / self.gen_rounds(mesh, s))
+            per_round = math.ceil(b / self.gen_rounds(mesh, s, resident))
             kv = per_round * p.seq_len * m.kv_bytes_per_token / (s.tp * s.pp)
             logits = per_round * m.vocab * 4 / s.tp
             return copy + kv + logits

@@ -76,17 +76,32 @@ class Estimator:
         lanes = min(a.mesh.size, b.mesh.size)
         return self.cost.data_bytes(parent_call) / (bw * lanes) / STREAM_CHUNKS + hw.link_latency_s
 
-    def call_durations(self, plan: ExecutionPlan) -> tuple[dict[str, float], dict[str, Any]]:
+    def gen_resident(self, plan: ExecutionPlan, static: dict[int, float] | None = None) -> float:
+        """Bytes resident on the fullest generation GPU while it generates: every model's
+        static memory there plus the Actor's reallocated copy."""
+        static = self.static_memory(plan) if static is None else static
+        gen = plan.calls["actor_gen"]
+        out = max(static.get(r, 0.0) for r in gen.mesh.ranks)
+        if "actor_gen" in self.needs_realloc(plan):
+            m, s = self.p.models["actor"], gen.strategy
+            out += m.param_bytes / (s.tp * s.pp) / (s.dp if s.sharded else 1)
+        return out
+
+    def call_durations(self, plan: ExecutionPlan, static: dict[int, float] | None = None
+                       ) -> tuple[dict[str, float], dict[str, Any]]:
         c, p = self.cost, self.p
-        d = {k: c.time(k, plan.calls[k].mesh, plan.calls[k].strategy) for k in CALLS}
+        resident = self.gen_resident(plan, static)
+        d = {k: c.time(k, plan.calls[k].mesh, plan.calls[k].strategy,
+                       resident if k == "actor_gen" else None) for k in CALLS}
         notes: dict[str, Any] = {}
         if p.fusion.rollout:
             gen = plan.calls["actor_gen"]
             absorbed = tuple(k for k in ("ref_inf", "reward_inf", "critic_inf")
                              if plan.calls[k].same_layout(gen))
-            key = (gen.mesh.ranks, gen.strategy, absorbed)
+            key = (gen.mesh.ranks, gen.strategy, absorbed,
+                   c.gen_rounds(gen.mesh, gen.strategy, resident))
             if key not in self._rollout:
-                self._rollout[key] = rollout_time(c, gen.mesh, gen.strategy, absorbed)
+                self._rollout[key] = rollout_time(c, gen.mesh, gen.strategy, absorbed, resident)
             d["actor_gen"], info = self._rollout[key]
             for k in absorbed:
                 d[k] = 0.0
@@ -112,27 +127,39 @@ class Estimator:
         return out
 
     # -- memory ----------------------------------------------------------------------------
-    def memory(self, plan: ExecutionPlan) -> dict[int, float]:
-        """Bytes per GPU: static + the largest dynamic. Fused training is assumed to peak as the
-        larger of the two models alone (the schedule's memory pass holds it near serial 1F1B)."""
+    def static_memory(self, plan: ExecutionPlan) -> dict[int, float]:
+        """Bytes per GPU that live between calls: trainable models' training state, frozen
+        models' weights unless offloaded."""
         c = self.cost
         static: dict[int, float] = defaultdict(float)
-        dyn: dict[int, float] = defaultdict(float)
         for model, train_call in TRAIN_CALL.items():
             pl = plan.calls[train_call]
             b = c.static_bytes(model, pl.strategy, True)
             for r in pl.mesh.ranks:
                 static[r] += b
-        copies = self.needs_realloc(plan)
         for k in CALLS:
             pl = plan.calls[k]
             model = CALL_MODEL[k]
-            offloaded = model in plan.offload
-            if model in ("ref", "reward") and not offloaded:
+            if model in ("ref", "reward") and model not in plan.offload:
                 b = c.static_bytes(model, pl.strategy, False)
                 for r in pl.mesh.ranks:
                     static[r] += b
-            x = c.dynamic_bytes(k, pl.mesh, pl.strategy, holds_copy=k in copies or offloaded)
+        return static
+
+    def memory(self, plan: ExecutionPlan, static: dict[int, float] | None = None
+               ) -> dict[int, float]:
+        """Bytes per GPU: static + the largest dynamic. Fused training is assumed to peak as the
+        larger of the two models alone (the schedule's memory pass holds it near serial 1F1B)."""
+        c = self.cost
+        static = self.static_memory(plan) if static is None else static
+        resident = self.gen_resident(plan, static)
+        dyn: dict[int, float] = defaultdict(float)
+        copies = self.needs_realloc(plan)
+        for k in CALLS:
+            pl = plan.calls[k]
+            offloaded = CALL_MODEL[k] in plan.offload
+            x = c.dynamic_bytes(k, pl.mesh, pl.strategy, holds_copy=k in copies or offloaded,
+                                resident=resident if k == "actor_gen" else None)
             for r in pl.mesh.ranks:
                 dyn[r] = max(dyn[r], x)
         return {r: static[r] + dyn[r] for r in set(static) | set(dyn)}
@@ -141,7 +168,8 @@ class Estimator:
     def estimate(self, plan: ExecutionPlan, *, keep_timeline: bool = True) -> Estimate:
         self.evaluations += 1
         p = self.p
-        d, notes = self.call_durations(plan)
+        static = self.static_memory(plan)
+        d, notes = self.call_durations(plan, static)
         reallocs = self.needs_realloc(plan)
         rtime = {k: self.realloc_seconds(m, plan.calls[TRAIN_CALL[m]], plan.calls[k])
                  for k, m in reallocs.items()}
@@ -173,7 +201,7 @@ class Estimator:
                                    call=k, model=CALL_MODEL[k]))
                 index[(k, t)] = len(nodes) - 1
         tl = simulate(nodes)
-        mem = self.memory(plan)
+        mem = self.memory(plan, static)
         oom = False
         peak, cap = 0.0, 0.0
         for r, b in mem.items():

@@ -44,11 +44,17 @@ A100_80G = Hardware("a100-80g", flops=312e12, hbm_bytes=80 * GB, hbm_bw=2.039e12
 H100_80G = Hardware("h100-80g", flops=989e12, hbm_bytes=80 * GB, hbm_bw=3.35e12,
                     nvlink_bw=450 * GB, ib_bw=50 * GB, pcie_bw=50 * GB)
 
-HARDWARE: dict[str, Hardware] = {h.name: h for h in (A100_80G, H100_80G)}
+# V100-SXM2-32GB: 125 TFLOP/s fp16 tensor cores (no bf16; same bytes), HBM2 900 GB/s, NVLink2
+# 300 GB/s total (150 per direction), 4 EDR 100 Gb/s NICs per 8 GPUs as in DGX-1, PCIe 3.0 x16.
+V100_32G = Hardware("v100-32g", flops=125e12, hbm_bytes=32 * GB, hbm_bw=0.9e12,
+                    nvlink_bw=150 * GB, ib_bw=6.25 * GB, pcie_bw=16 * GB)
+
+HARDWARE: dict[str, Hardware] = {h.name: h for h in (A100_80G, H100_80G, V100_32G)}
 
 
 def hardware(name: str | Hardware | dict[str, Any]) -> Hardware:
-    """A preset by name (``a100-80g``, ``h100-80g``), or a custom dict of the fields."""
+    """A preset by name (``a100-80g``, ``h100-80g``, ``v100-32g``), or a custom dict of the
+    fields."""
     if isinstance(name, Hardware):
         return name
     if isinstance(name, dict):

@@ -38,7 +38,7 @@ def response_lengths(cost: CostModel) -> np.ndarray:
 
 
 def rollout_time(cost: CostModel, mesh: DeviceMesh, s: ParallelStrategy,
-                 absorbed: tuple[str, ...]) -> tuple[float, dict]:
+                 absorbed: tuple[str, ...], resident: float | None = None) -> tuple[float, dict]:
     """Seconds of generation (plus the ``absorbed`` inference calls, fused) on ``mesh``."""
     from ..rollout.planning import ClusterModel, rt_grid, simulate_fused, simulate_serial
 
@@ -46,7 +46,7 @@ def rollout_time(cost: CostModel, mesh: DeviceMesh, s: ParallelStrategy,
     hw = cost.hw(mesh)
     base, per_sample, per_kv = cost.decode_step(mesh, s)
     b = math.ceil(p.batch / s.dp)
-    bs_max = math.ceil(b / cost.gen_rounds(mesh, s))
+    bs_max = math.ceil(b / cost.gen_rounds(mesh, s, resident))
     infer = sum(2 * p.models[CALL_MODEL[c]].params
                 for c in absorbed) / (s.tp * s.pp * hw.flops * hw.infer_mfu)
     cm = ClusterModel(instances=s.dp, bs_max=bs_max, step_base_s=base,

@@ -24,7 +24,9 @@ pipeline stages) at which the plan fits, data parallelism for the rest, one stra
 a model's calls on the same mesh. ``zero3``: DeepSpeed-Chat's (FlexRLHF's baseline system):
 every call ZeRO-3 data parallel over its whole mesh, and generation through the hybrid engine,
 tensor parallel at the smallest degree that fits (its gather from the ZeRO-3 shards is the
-reallocation node before generation).
+reallocation node before generation). ``deepspeed-chat``: DeepSpeed-Chat as FlexRLHF measures it
+(``DS_CHAT_CONFIGS``, ``_ds_chat_ladder``): ZeRO-2 with replicated Ref and Reward where that
+fits, else ZeRO-3, and the hybrid engine gathering the Actor once or on every decode step.
 """
 
 from __future__ import annotations
@@ -164,25 +166,63 @@ def cluster_meshes(cl: Cluster, placement: Placement) -> dict[str, DeviceMesh]:
     return out  # type: ignore[return-value]
 
 
+# DeepSpeed-Chat's engine configurations, tried in this order until the plan fits: ZeRO-2
+# (frozen models replicated), ZeRO-3 with the hybrid engine's gather-once generation
+# (pin_parameters, the default), ZeRO-3 with per-layer gathers on every decode step
+# (--unpin_actor_parameters). Stage and pinning are chosen at the batch the plan is fitted
+# for; FlexRLHF picks the stage by model size and then raises the batch (``max_batch``).
+DS_CHAT_CONFIGS = ((2, True), (3, True), (3, False))
+
+
 def _ladder_key(problem: PlacementProblem, call: str, mesh: DeviceMesh) -> tuple:
-    """Calls with one key share a strategy: a model's calls on one mesh (under ``zero3`` the
-    hybrid engine's generation has its own)."""
+    """Calls with one key share a strategy: a model's calls on one mesh (under ``zero3`` and
+    ``deepspeed-chat`` the hybrid engine's generation has its own)."""
     return (CALL_MODEL[call], mesh.ranks,
-            problem.parallelism == "zero3" and call == "actor_gen")
+            problem.parallelism != "megatron" and call == "actor_gen")
+
+
+def _megatron_ladder(mesh: DeviceMesh, problem: PlacementProblem, model: str
+                     ) -> list[ParallelStrategy]:
+    ss = strategies_for(mesh, problem.models[model], max_tp=problem.max_tp,
+                        max_pp=problem.max_pp)
+    return sorted(ss, key=lambda s: (s.tp * s.pp, s.pp, s.tp))
+
+
+def _ds_chat_ladder(mesh: DeviceMesh, problem: PlacementProblem, key: tuple,
+                    meshes: dict[str, DeviceMesh], config: tuple[int, bool]
+                    ) -> list[ParallelStrategy]:
+    """DeepSpeed-Chat (as FlexRLHF runs it, section V-B): every model data parallel over its
+    own mesh at one ZeRO stage; at stage 2 the frozen Ref and Reward are plain replicas
+    (DeepSpeed-Chat's rlhf_engine: ``if zero_stage != 3: zero_stage = 0``), at stage 3 they are
+    sharded too. The Actor generates through the hybrid engine in its training layout (stage
+    2: the same replicas, LoRA fused in place), with the layers gathered once (pinned, a
+    reallocation to the replicated layout) or on every decode step (unpinned, the ZeRO-3
+    layout itself). Calls away from their model's training mesh (FlexRLHF's shadow models) and
+    calls on inference-only groups use tensor/pipeline parallelism as Megatron does."""
+    model, ranks, gen = key
+    stage, pinned = config
+    home = meshes.get(f"{model}_train")
+    if problem.cluster.group(mesh.group).inference_only or (home is not None
+                                                             and home.ranks != ranks):
+        return _megatron_ladder(mesh, problem, model)
+    n = mesh.size
+    if gen and stage == 3:
+        return [ParallelStrategy(n, 1, 1, 0 if pinned else 3)]
+    if model in ("ref", "reward"):
+        return [ParallelStrategy(n, 1, 1, 3 if stage == 3 else 0)]
+    return [ParallelStrategy(n, 1, 1, stage)]
 
 
 def _ladder(mesh: DeviceMesh, problem: PlacementProblem, key: tuple) -> list[ParallelStrategy]:
     """Strategies to try in order: by growing model-parallel degree, tensor parallelism first;
     under ``zero3`` pure ZeRO-3 data parallelism, or for the hybrid engine pure tp."""
     model, _, hybrid_engine = key
-    ss = strategies_for(mesh, problem.models[model], max_tp=problem.max_tp,
-                        max_pp=problem.max_pp)
+    ss = _megatron_ladder(mesh, problem, model)
     if problem.parallelism == "zero3":
         if hybrid_engine:
-            ss = [s for s in ss if s.pp == 1]
-        else:
-            return [ParallelStrategy(mesh.size, 1, 1, 3)]
-    return sorted(ss, key=lambda s: (s.tp * s.pp, s.pp, s.tp))
+            return [s for s in ss if s.pp == 1]
+        return [ParallelStrategy(mesh.size, 1, 1, 3)]
+    return ss
 
 
 def fit_strategies(problem: PlacementProblem, meshes: dict[str, DeviceMesh], name: str,
@@ -190,12 +230,28 @@ def fit_strategies(problem: PlacementProblem, meshes: dict[str, DeviceMesh], nam
                    ) -> ExecutionPlan:
     """Strategies for fixed meshes (see the module docstring): raise the model-parallel degree
     of the models on the fullest GPU that can still grow one, until the plan fits (or nothing
-    over capacity can grow: the estimate then carries the OOM penalty)."""
+    over capacity can grow: the estimate then carries the OOM penalty). Under
+    ``deepspeed-chat`` the engine configurations of ``DS_CHAT_CONFIGS`` are tried in order and
+    the first that fits is kept (the last when none does)."""
     est = estimator or Estimator(problem)
+    if problem.parallelism != "deepspeed-chat":
+        return _fit(problem, meshes, name, est, offload, None)
+    plan = None
+    for config in DS_CHAT_CONFIGS:
+        plan = _fit(problem, meshes, name, est, offload, config)
+        if not est.estimate(plan, keep_timeline=False).oom:
+            break
+    assert plan is not None
+    return plan
+
+
+def _fit(problem: PlacementProblem, meshes: dict[str, DeviceMesh], name: str, est: Estimator,
+         offload: tuple[str, ...], config: tuple[int, bool] | None) -> ExecutionPlan:
     key_of = {c: _ladder_key(problem, c, meshes[c]) for c in CALLS}
     keys = sorted(set(key_of.values()))
     mesh_of = {k: next(meshes[c] for c in CALLS if key_of[c] == k) for k in keys}
-    ladders = {k: _ladder(mesh_of[k], problem, k) for k in keys}
+    ladders = {k: (_ladder(mesh_of[k], problem, k) if config is None
+                   else _ds_chat_ladder(mesh_of[k], problem, k, meshes, config)) for k in keys}
     for k, lad in ladders.items():
         if not lad:
             raise PlacementError(f"{name}: no parallel strategy of {k[0]} fits mesh {mesh_of[k]}")

@@ -17,7 +17,7 @@ from .hardware import Cluster
 from .models import ModelShape, resolve_model
 from .profile import Profile, load_profile
 
-PARALLELISMS = ("megatron", "zero3")
+PARALLELISMS = ("megatron", "zero3", "deepspeed-chat")
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,21 @@ class PlacementProblem:
     # distributed optimizer) or "zero3" (every call ZeRO-3 data parallel over its mesh,
     # generation through DeepSpeed's hybrid engine in a tensor-parallel layout: DeepSpeed-Chat,
     # OpenRLHF, FlexRLHF). With "zero3" the search also proposes ZeRO-3 strategies.
+    # "deepspeed-chat": DeepSpeed-Chat as FlexRLHF measures it (presets.DS_CHAT_CONFIGS):
+    # ZeRO-2 with replicated Ref/Reward where that fits, else ZeRO-3; the hybrid engine gathers
+    # the Actor once per generation, or every decode step when the gathered model does not fit;
+    # ZeRO-3 prefetch overlaps gathers with compute in training and inference.
     parallelism: str = "megatron"
+    # LoRA rank on every linear layer of the Actor's and Critic's decoder layers (DeepSpeed-Chat
+    # --actor_lora_dim/--critic_lora_dim with --only_optimize_lora; FlexRLHF V-A uses 4): only
+    # the adapters get gradients and Adam state, the frozen weights no weight gradients, and
+    # generation runs on weights with the adapters fused in. 0: full fine-tuning.
+    lora_dim: int = 0
+    # DeepSpeed-Chat's loop: a replica generates, scores and trains its whole share of a PPO
+    # step at once (no generation rounds, one micro-batch), so memory grows with the batch and
+    # "the largest batch that fits" (``max_batch``) binds. False: micro-batches of
+    # ``micro_batch_tokens`` and generation in rounds that fit.
+    whole_batch: bool = False
     # Measured per-layer times per model role (``rlhf-fusion profile-layers``): they replace
     # the FLOP-based compute of that model's calls.
     profiles: dict[str, Profile] = field(default_factory=dict)
@@ -73,6 +87,9 @@ class PlacementProblem:
         if self.batch < self.ppo_minibatches:
             raise PlacementError(f"batch={self.batch} is smaller than ppo_minibatches="
                                  f"{self.ppo_minibatches}; raise batch or lower ppo_minibatches")
+        if not isinstance(self.lora_dim, int) or self.lora_dim < 0:
+            raise PlacementError(f"lora_dim: must be an integer >= 0 (0: full fine-tuning), got "
+                                 f"{self.lora_dim!r}")
         if self.parallelism not in PARALLELISMS:
             raise PlacementError(f"parallelism {self.parallelism!r}: use one of {PARALLELISMS}")
         if self.oom_penalty < 1:
@@ -107,7 +124,7 @@ class PlacementProblem:
         known = {"models", "cluster", "batch", "prompt_len", "gen_len", "ppo_minibatches",
                  "ppo_epochs", "micro_batch_tokens", "gradient_checkpointing", "offload_frozen",
                  "lengths", "fusion", "oom_penalty", "iterations", "min_mesh_gpus", "name",
-                 "search", "parallelism", "profiles"}
+                 "search", "parallelism", "profiles", "lora_dim", "whole_batch"}
         unknown = set(d) - known
         if unknown:
             raise PlacementError(f"unknown config keys {sorted(unknown)}; known keys: "
@@ -143,7 +160,9 @@ class PlacementProblem:
                     "micro_batch_tokens", "iterations", "min_mesh_gpus"):
             if key in d:
                 kw[key] = _int(d[key], key)
-        for key in ("gradient_checkpointing", "offload_frozen"):
+        if "lora_dim" in d:
+            kw["lora_dim"] = _int(d["lora_dim"], "lora_dim")
+        for key in ("gradient_checkpointing", "offload_frozen", "whole_batch"):
             if key in d:
                 kw[key] = bool(d[key])
         profiles = d.get("profiles") or {}

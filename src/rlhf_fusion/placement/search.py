@@ -2,7 +2,9 @@
 and exhaustive enumeration for clusters small enough.
 
 Candidates of a call are every legal (mesh, strategy) on which the call fits alone (its model's
-static memory plus its own dynamic memory, ReaLHF's filter) and whose batch shape works. The
+static memory plus its own dynamic memory, ReaLHF's filter; for a trainable model's generation
+or inference call only the reallocated copy, which is all it holds there) and whose batch shape
+works. The
 search state assigns one candidate to each of the six calls; its cost is the estimator's
 (iteration time, times the OOM penalty when a GPU overflows).
 
@@ -50,12 +52,14 @@ def candidates(problem: PlacementProblem, estimator: Estimator) -> dict[str, lis
             cap = cost.capacity(mesh.group)
             for s in strategies_for(mesh, problem.models[model], max_tp=problem.max_tp,
                                     max_pp=problem.max_pp,
-                                    zero3=problem.parallelism == "zero3"):
+                                    zero3=problem.parallelism != "megatron"):
                 if not cost.feasible(call, mesh, s):
                     continue
-                static = 0.0 if offloaded else cost.static_bytes(
-                    model, s, trainable and CALL_KIND[call] == "train")
+                # Alone, a trainable model's generation or inference call holds only the
+                # reallocated copy (its training state lives with the training call), and an
+                # offloaded model only its prefetched copy.
                 copy = offloaded or (trainable and CALL_KIND[call] != "train")
+                static = 0.0 if copy else cost.static_bytes(model, s, trainable)
                 if static + cost.dynamic_bytes(call, mesh, s, copy) > cap:
                     continue
                 lst.append(CallPlacement(mesh, s))

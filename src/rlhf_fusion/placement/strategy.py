@@ -7,7 +7,9 @@ node is at least tp GPUs wide) and a pipeline stage is a contiguous block of ran
 ``zero=3`` is ZeRO stage 3 / FSDP over the data-parallel ranks (DeepSpeed-Chat's and OpenRLHF's
 default, FlexRLHF's baseline): each data-parallel rank keeps only a 1/dp share of its (tp, pp)
 shard's weights, gradients and optimizer state, and gathers the weights of each layer for every
-forward and backward pass. ``zero=0`` is Megatron's layout: every replica holds its whole shard
+forward and backward pass. ``zero=2`` (DeepSpeed-Chat's choice for 7B, FlexRLHF V-B) keeps
+whole weights on every replica and shards gradients and optimizer state. ``zero=0`` is
+Megatron's layout: every replica holds its whole shard
 (with the optimizer state sharded over dp, as Megatron's distributed optimizer).
 """
 
@@ -25,7 +27,7 @@ class ParallelStrategy:
     dp: int
     tp: int
     pp: int
-    zero: int = 0   # 0, or 3: weights, gradients and optimizer state sharded over dp
+    zero: int = 0   # 0; 2: gradients and optimizer state sharded over dp; 3: weights too
 
     def __post_init__(self) -> None:
         if self.dp == 1 and self.zero:
@@ -63,9 +65,10 @@ def check_strategy(s: ParallelStrategy, mesh: DeviceMesh, model: ModelShape) -> 
     """Raises a PlacementError naming the fix when ``s`` does not fit ``mesh``."""
     if min(s.dp, s.tp, s.pp) < 1:
         raise PlacementError(f"{s}: every degree must be >= 1")
-    if s.zero not in (0, 3):
-        raise PlacementError(f"{s}: zero={s.zero} is not modelled; use 0 (Megatron layout) or "
-                             "3 (ZeRO-3 / FSDP over the data-parallel ranks)")
+    if s.zero not in (0, 2, 3):
+        raise PlacementError(f"{s}: zero={s.zero} is not modelled; use 0 (Megatron layout), 2 "
+                             "(ZeRO-2: gradients and optimizer state sharded over dp) or 3 "
+                             "(ZeRO-3 / FSDP over the data-parallel ranks)")
     if s.size != mesh.size:
         raise PlacementError(f"{s} uses dp*tp*pp = {s.size} GPUs but mesh {mesh} has "
                              f"{mesh.size}; choose degrees whose product is {mesh.size}")
