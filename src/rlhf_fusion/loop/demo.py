@@ -63,7 +63,7 @@ def run_demo(out_dir: str | Path = "rlhf-fusion-demo", *, iterations: int = 24,
     runs = [("fused" if not serial else "serial", res["timelines"][-1])]
     if res.get("serial_timeline"):
         runs.append(("serial, the same iteration replayed", res["serial_timeline"]))
-    timeline_png(runs, cfg.world_size, out / "timeline.png")
+    timeline_png(runs, cfg.world_size, out / "timeline.png", of=len(hist))
     lengths = [len(e.response_ids) for batch in res["experience_log"] for e in batch]
     first = [h["objective/scores"] for h in hist[:3]]
     last = [h["objective/scores"] for h in hist[-3:]]
