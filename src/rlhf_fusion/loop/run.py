@@ -88,6 +88,15 @@ def train(cfg: RLHFConfig, prompts: Sequence[str], *, out_dir: str | Path | None
     return out
 
 
+def _predicted_speedup(worker: Any) -> float | None:
+    """The planner's fused-over-serial-1F1B training speedup on the profiled stage times."""
+    sched = getattr(worker, "schedule", None)
+    try:
+        return float(sched.speedup()) if sched is not None else None
+    except (KeyError, ZeroDivisionError):
+        return None
+
+
 def _merge_train_events(out: dict[str, Any], per_rank: Sequence[dict[str, Any]]) -> None:
     """Every rank's pipeline instructions into rank 0's timelines (``train_ranks``), on rank
     0's clock: ``perf_counter`` is the machine's monotonic clock, shared by the processes."""
@@ -214,7 +223,7 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
     experiences = res.experiences if end > start else []
     worker.close()
     return {"history": history, "state": state, "timelines": timelines, "seconds": run_s,
-            "planning_s": planning_s,
+            "planning_s": planning_s, "schedule_speedup": _predicted_speedup(worker),
             "serial_timeline": serial_timeline, "rt_history": worker.rt_planner.history,
             "experiences": experiences if rank == 0 else None,
             "experience_log": kept if rank == 0 else None}
