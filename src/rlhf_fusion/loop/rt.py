@@ -30,6 +30,10 @@ STICKY = 0.05
 # R_t before any length has been seen: a quarter of the batch (RLHFuse's sweeps put the best
 # R_t at 20-40 % of the batch for long-tailed lengths).
 FIRST_FRACTION = 0.25
+# No migration unless the simulator predicts at least this gain over the serial rollout: it
+# does not model the stream's per-sample store traffic or the trigger polling, and a gain
+# below this is within them (and within float noise when nothing is long-tailed).
+MIN_GAIN = 0.01
 # Weight of the newest batch when the length distribution is refined.
 REFINE_WEIGHT = 0.5
 
@@ -138,10 +142,10 @@ class RtPlanner:
         plan = plan_migration(self.dist, self.cluster(), self.batch, trials=4, seed=0,
                               tolerance=TOLERANCE, pick="middle")
         # No migration (R_t = 0, the serial rollout) whenever the simulator predicts no gain
-        # from any R_t; coming back from it takes a gain above STICKY, so noise cannot flap.
+        # (MIN_GAIN) from any R_t; coming back takes twice that, so noise cannot flap.
         top = plan.sweep.best
-        need = 1 - STICKY if self.current == 0 else 1.0
-        if top.fused_s >= top.serial_s * need:
+        need = 2 * MIN_GAIN if self.current == 0 else MIN_GAIN
+        if top.fused_s > top.serial_s * (1 - need):
             return 0
         best = plan.rt
         if self.current is not None:
