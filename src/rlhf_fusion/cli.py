@@ -89,9 +89,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .loop.demo import run_demo
 
     if args.compare:
-        from .loop.compare import compare
+        from .loop.compare import CompareError, compare
 
-        compare(args.out, pairs=args.pairs, iterations=args.iterations)
+        if args.serial or args.pairs < 1:
+            print("rlhf-fusion demo: error: --compare runs both modes; drop --serial and give "
+                  "--pairs 1 or more", file=sys.stderr)
+            return 2
+        try:
+            compare(args.out, pairs=args.pairs, iterations=args.iterations)
+        except CompareError as exc:
+            print(f"rlhf-fusion demo --compare: error: {exc}", file=sys.stderr)
+            return 1
         return 0
     run_demo(args.out, iterations=args.iterations, serial=args.serial)
     return 0
