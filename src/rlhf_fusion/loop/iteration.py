@@ -336,9 +336,10 @@ class PPOWorker:
     def plan_training(self, prompt_len: float) -> float:
         """Plan the training pipeline now, before the first iteration: profile the stages and
         solve the fused schedule (or build the serial order). Collective. Planning is one-time
-        work, so it is charged to no iteration; the profile runs on micro-batches of the
-        shape the loop's batches take (``prompt_len`` plus half of ``max_new_tokens``: only
-        the ratios of the stage times steer the schedule). Returns its seconds."""
+        work, so it is charged to no iteration. The profile runs on micro-batches of the
+        loop's rows and ``prompt_len`` plus a quarter of ``max_new_tokens`` tokens: only the
+        ratios of the stage times steer the schedule, and shorter rows profile faster.
+        Returns its seconds."""
         if self.fused is None or self.fused.engine is not None:
             return 0.0
         t = time.perf_counter()
@@ -350,7 +351,7 @@ class PPOWorker:
         rows = max(1, g.prompts_per_iteration // p.num_mini_batches // p.micro_batches
                    ) * p.micro_batches
         prompt = max(1, round(prompt_len))
-        seq = prompt + max(1, g.max_new_tokens // 2)
+        seq = prompt + max(1, g.max_new_tokens // 4)
         act = torch.zeros(rows, seq, dtype=torch.long)
         act[:, prompt:] = 1
         zeros = torch.zeros(rows, seq, dtype=torch.float32)
