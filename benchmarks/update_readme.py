@@ -184,6 +184,23 @@ def gpu_kernels() -> str:
     )
 
 
+def demo() -> str:
+    """The main job's figure: ``benchmarks/demo_compare.py`` (``rlhf-fusion demo --compare``)."""
+    d = json.loads((RESULTS / "demo_compare.json").read_text())
+    dev = d["device"]
+    loads = [x for r in d["rows"] for m in ("fused", "serial")
+             for x in (r[m]["load_before"][0], r[m]["load_after"][0])]
+    per = ", ".join(f"{x:.2f}x" for x in d["ratios"])
+    return (
+        f"`rlhf-fusion demo --compare` ({d['pairs']} alternating fused/serial pairs of the "
+        f"default demo, {d['iterations']} iterations each, {dev['cpu']}, {dev['cpu_cores']} "
+        f"cores, 1-minute load {min(loads):.1f}-{max(loads):.1f} during the runs): total "
+        f"iteration time serial/fused **{d['median_ratio']:.2f}x** (median; every pair: {per}), "
+        "rewards equal in every iteration. Breakdown: `benchmarks/results/demo_compare.png`; "
+        "one iteration per rank: `benchmarks/results/demo_timeline.png`."
+    )
+
+
 def inject(text: str, name: str, body: str) -> str:
     pattern = re.compile(rf"(<!-- {name}:begin -->\n).*?(<!-- {name}:end -->)", re.S)
     if not pattern.search(text):
@@ -197,6 +214,8 @@ def main() -> None:
     if (RESULTS / "table3.json").exists():
         text = inject(text, "table3", table3())
     text = inject(text, "others", others())
+    if (RESULTS / "demo_compare.json").exists():
+        text = inject(text, "demo", demo())
     readme.write_text(text)
     print(f"updated {readme}")
 

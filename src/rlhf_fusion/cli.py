@@ -88,6 +88,19 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .loop.demo import run_demo
 
+    if args.compare:
+        from .loop.compare import CompareError, compare
+
+        if args.serial or args.pairs < 1:
+            print("rlhf-fusion demo: error: --compare runs both modes; drop --serial and give "
+                  "--pairs 1 or more", file=sys.stderr)
+            return 2
+        try:
+            compare(args.out, pairs=args.pairs, iterations=args.iterations)
+        except CompareError as exc:
+            print(f"rlhf-fusion demo --compare: error: {exc}", file=sys.stderr)
+            return 1
+        return 0
     run_demo(args.out, iterations=args.iterations, serial=args.serial)
     return 0
 
@@ -208,6 +221,12 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--iterations", type=int, default=24)
     d.add_argument("--serial", action="store_true",
                    help="the serial baseline (no inter- or intra-stage fusion)")
+    d.add_argument("--compare", action="store_true",
+                   help="run fused and --serial as alternating pairs; print every pair's and "
+                        "the median serial/fused ratio of total iteration time, check the "
+                        "rewards are equal in every iteration, plot the breakdown")
+    d.add_argument("--pairs", type=int, default=3,
+                   help="fused/serial pairs for --compare (default: 3)")
     d.set_defaults(func=cmd_demo)
 
     t = sub.add_parser("train", help="run PPO from a YAML/JSON config (models, prompts, knobs)")

@@ -98,6 +98,8 @@ class PPOWorker:
         self.models = models if models is not None else build_models(cfg.models)
         self.tokenizer = self.models.tokenizer
         self._scoring: list[tuple[int, float]] = []
+        self._scoring_cpu: list[float] = []
+        self._train_events: list[tuple[str, float, float]] = []
         self.ppo = ppo_config(cfg)
         self.fused = None
         self._shapes = {role: shapes_of(getattr(self.models, role)) for role in ROLES}
@@ -117,7 +119,8 @@ class PPOWorker:
         self.inference = InferenceModels(m.ref, self._reward(), copy.deepcopy(m.critic),
                                          micro_batch=4, device=self.device,
                                          pad_id=self.tokenizer.pad_token_id)
-        self.inference.score = timed_scoring(self.inference.score, self._scoring)
+        self.inference.score = timed_scoring(self.inference.score, self._scoring,
+                                             self._scoring_cpu)
 
     def _setup_offload(self) -> None:
         """The frozen models this rank scores with that live in host memory between their
@@ -246,6 +249,31 @@ class PPOWorker:
                 "offload/wait_s": float(row[:, 2].max()),
                 "offload/offload_s": float(row[:, 3].max())}
 
+    def busy_metrics(self, rollout_s: float, train_s: float) -> dict[str, float]:
+        """Where the ranks' time went this iteration, in rank-seconds summed over the ranks:
+        decode steps and scoring calls (wall and thread CPU: wall above CPU is time spent
+        waiting for a core, e.g. two processes on one core), the rest of the rollout
+        (``time/rollout_idle``: waiting for peers, migration, the stream), and the pipeline's
+        forward/backward instructions against the rest of training (``time/train_idle``:
+        bubbles, transfers, the optimizer step)."""
+        steps = getattr(self.backend, "steps", [])
+        compute = sum(b - a for name, a, b in self._train_events if _is_compute(name))
+        row = torch.tensor([[sum(s for _, s in steps), getattr(self.backend, "cpu_s", 0.0),
+                             sum(s for _, s in self._scoring), sum(self._scoring_cpu),
+                             compute]], dtype=torch.float64)
+        if self.distributed:
+            rows = [torch.zeros_like(row) for _ in range(self.world)]
+            dist.all_gather(rows, row)
+            row = torch.cat(rows)
+        tot = row.sum(0).tolist()
+        out = {"time/decode": tot[0], "time/decode_cpu": tot[1], "time/scoring": tot[2],
+               "time/scoring_cpu": tot[3],
+               "time/rollout_idle": max(self.world * rollout_s - tot[0] - tot[2], 0.0)}
+        if self.fused is not None:
+            out["time/train_compute"] = tot[4]
+            out["time/train_idle"] = max(self.world * train_s - tot[4], 0.0)
+        return out
+
     def _sync_dst(self, role: str) -> torch.nn.Module | None:
         """The copy ``role``'s weights go to (a vLLM engine holds its own: ``None``)."""
         if role == "actor":
@@ -272,8 +300,9 @@ class PPOWorker:
         from ..rollout import RolloutConfig, run_rollout
 
         rt = self.rt_planner.rt() if f.inter else None
-        rcfg = RolloutConfig(fused=f.inter, rt=rt, mechanism=f.mechanism, timeout_s=f.timeout_s,
-                             report_every=16)
+        fused = bool(rt)   # R_t = 0: the planner predicts no gain from migrating
+        rcfg = RolloutConfig(fused=fused, rt=rt if fused else None, mechanism=f.mechanism,
+                             timeout_s=f.timeout_s, report_every=16)
         out = run_rollout(self.backend, self.inference, specs, rcfg,
                           bs_max=self.cfg.generation.bs_max)
         return out.experiences or [], {**out.stats, "rt": rt}
@@ -291,16 +320,47 @@ class PPOWorker:
     def _plan(self, mbs: list[dict[str, Tensor]]) -> None:
         assert self.fused is not None
         f = self.cfg.fusion
+        # The engine traces every instruction (a perf_counter pair each): the iteration's
+        # timeline shows the fused Actor/Critic pipeline and time/train_compute counts it.
         if f.intra:
             self.schedule = self.fused.plan(mbs, solver=f.solver, time_limit=f.solver_time_limit,
-                                            timeout=f.timeout_s, device=self.device)
+                                            timeout=f.timeout_s, device=self.device, trace=True)
         else:
             from ..schedule import solve
 
             # RLHFuse-Base: the Actor's 1F1B step, then the Critic's (a barrier between them).
             serial = solve(self.fused.problem, "concatenated_1f1b", time_limit=1.0)
             self.schedule = self.fused.plan(mbs, schedule=serial, timeout=f.timeout_s,
-                                            device=self.device, serial=True)
+                                            device=self.device, serial=True, trace=True)
+
+    def plan_training(self, prompt_len: float) -> float:
+        """Plan the training pipeline now, before the first iteration: profile the stages and
+        solve the fused schedule (or build the serial order). Collective. Planning is one-time
+        work, so it is charged to no iteration. The profile runs on micro-batches of the
+        loop's rows and ``prompt_len`` plus a quarter of ``max_new_tokens`` tokens: only the
+        ratios of the stage times steer the schedule, and shorter rows profile faster.
+        Returns its seconds."""
+        if self.fused is None or self.fused.engine is not None:
+            return 0.0
+        t = time.perf_counter()
+        self._plan(self._planning_micro_batches(prompt_len))
+        return time.perf_counter() - t
+
+    def _planning_micro_batches(self, prompt_len: float) -> list[dict[str, Tensor]]:
+        g, p = self.cfg.generation, self.cfg.ppo
+        rows = max(1, g.prompts_per_iteration // p.num_mini_batches // p.micro_batches
+                   ) * p.micro_batches
+        prompt = max(1, round(prompt_len))
+        seq = prompt + max(1, g.max_new_tokens // 4)
+        act = torch.zeros(rows, seq, dtype=torch.long)
+        act[:, prompt:] = 1
+        zeros = torch.zeros(rows, seq, dtype=torch.float32)
+        batch = {"input_ids": torch.full((rows, seq), int(self.tokenizer.pad_token_id or 0)),
+                 "attention_mask": torch.ones(rows, seq, dtype=torch.long),
+                 "action_mask": act,
+                 **{k: zeros.clone() for k in ("old_logprobs", "ref_logprobs", "old_values",
+                                               "advantages", "returns")}}
+        return split_micro_batches(batch, p.micro_batches)
 
     def train(self, batch: dict[str, Tensor], iteration: int) -> dict[str, float]:
         """PPO epochs x mini-batches; every rank holds the whole batch and takes its rows."""
@@ -320,6 +380,9 @@ class PPOWorker:
                     self._plan(mine)
                 out = pipelined_step(self.fused, mine, self.optimizers,
                                      max_grad_norm=p.max_grad_norm)
+                tr = self.fused.engine.last_trace if self.fused.engine is not None else None
+                if tr is not None:
+                    self._train_events.extend(tr.events)
             steps += 1
             for role, st in out["stats"].items():
                 for name, v in st.items():
@@ -373,6 +436,8 @@ class PPOWorker:
         specs = self.specs(prompts, it)
         self.backend.reset_timing()
         self._scoring.clear()
+        self._scoring_cpu.clear()
+        self._train_events.clear()
         with self._stage("generation + inference"), no_autocast:
             self.frozen.prefetch()  # offloaded Ref/Reward come back while generation runs
             exps, stats = self.rollout(specs)
@@ -388,6 +453,7 @@ class PPOWorker:
         self.rt_planner.observe([len(e.response_ids) for e in exps], self.backend, self._scoring,
                                 prompt_len=sum(len(p) for p in prompts) / max(len(prompts), 1))
         offload = self.offload_metrics()   # a collective: every rank, in this order
+        busy = self.busy_metrics(t2 - t1, t4 - t3)   # a collective too
         gen_end = _max_stat(stats, "generation_end_s")
         inf_start = _min_stat(stats, "inference_start_s")
         rollout_s = t2 - t1
@@ -405,11 +471,16 @@ class PPOWorker:
             "episode": float((it + 1) * len(exps)),
             **realloc,
             **offload,
+            **busy,
         })
         self.iteration_index += 1
-        timeline = {"t0": t0, "sync": (0.0, t1 - t0), "rollout": (t1 - t0, t2 - t0),
-                    "advantages": (t2 - t0, t3 - t0), "training": (t3 - t0, t4 - t0),
-                    "ranks": stats.get("ranks", []), "scorers": stats.get("scorers", [])}
+        timeline = {"iteration": it, "t0": t0, "sync": (0.0, t1 - t0),
+                    "rollout": (t1 - t0, t2 - t0), "advantages": (t2 - t0, t3 - t0),
+                    "training": (t3 - t0, t4 - t0),
+                    "ranks": stats.get("ranks", []), "scorers": stats.get("scorers", []),
+                    # This rank's pipeline instructions (F/B: compute), seconds since t0.
+                    "train_events": [(name, a - t0, b - t0) for name, a, b in self._train_events
+                                     if _is_compute(name)]}
         return IterationResult(metrics, exps, timeline)
 
     # -- state for checkpoints and exactness checks ----------------------------------------------
@@ -443,7 +514,8 @@ class PPOWorker:
                 from ..schedule import solve
 
                 serial = solve(self.fused.problem, "concatenated_1f1b", time_limit=1.0)
-                self.fused.build(serial, timeout=f.timeout_s, device=self.device, serial=True)
+                self.fused.build(serial, timeout=f.timeout_s, device=self.device, serial=True,
+                                 trace=True)
 
     def close(self) -> None:
         if self.fused is not None:
@@ -463,6 +535,12 @@ def trl_training_metrics(means: dict[str, float]) -> dict[str, float]:
         "critic/grad_norm": "val/grad_norm",
     }
     return {names.get(k, k): v for k, v in means.items()}
+
+
+def _is_compute(name: str) -> bool:
+    """Whether a traced pipeline instruction (``actor0:1F3``) is a forward or backward."""
+    op = name.split(":", 1)[-1].lstrip("0123456789")
+    return op[:1] in ("F", "B")
 
 
 def _max_stat(stats: dict[str, Any], key: str) -> float | None:

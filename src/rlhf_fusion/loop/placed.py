@@ -194,6 +194,7 @@ class PlacedPPOWorker(PPOWorker):
         f = self.cfg.fusion
         fused = f.inter and len(gen.ranks) > 1
         rt = self.rt_planner.rt() if fused else None  # collective over every rank
+        fused = fused and bool(rt)   # R_t = 0: the planner predicts no gain from migrating
         self._t0 = time.perf_counter()   # every rank leaves the collective above together
         self._scored_at: list[float] = []
         # Inference elsewhere: every finished sample goes to one queue per inference call as

@@ -3,16 +3,25 @@ Figures 5 and 10) and the reward curve."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 COLORS = {"sync": "#9e9e9e", "generation": "#1f77b4", "inference": "#ff7f0e",
           "advantages": "#8c564b", "training": "#2ca02c"}
+# The pipeline's instructions inside training, when the engine traced them.
+PIPELINE_COLORS = {("actor", "F"): "#98df8a", ("actor", "B"): "#2ca02c",
+                   ("critic", "F"): "#c5b0d5", ("critic", "B"): "#9467bd"}
+PIPELINE_LABELS = {("actor", "F"): "Actor forward", ("actor", "B"): "Actor backward",
+                   ("critic", "F"): "Critic forward", ("critic", "B"): "Critic backward"}
+IDLE = "#eeeeee"
 
 
 def segments(tl: dict[str, Any], rank: int) -> list[tuple[str, float, float]]:
-    """``(stage, start, end)`` of one rank in one iteration, seconds from its start."""
+    """``(stage, start, end)`` of one rank in one iteration, seconds from its start. With the
+    pipeline's trace (``train_ranks``), training is its forward/backward instructions,
+    ``("actor F", a, b)`` etc.; whatever no segment covers is idle."""
     out = [("sync", *tl["sync"])]
     r0, r1 = tl["rollout"]
     ranks = tl.get("ranks") or []
@@ -27,31 +36,110 @@ def segments(tl: dict[str, Any], rank: int) -> list[tuple[str, float, float]]:
         if inf_start is not None and local_end is not None and local_end > inf_start:
             out.append(("inference", r0 + inf_start, r0 + local_end))
     out.append(("advantages", *tl["advantages"]))
-    out.append(("training", *tl["training"]))
+    events = (tl.get("train_ranks") or [])
+    mine = events[rank] if rank < len(events) else []
+    if mine:
+        for name, a, b in mine:
+            model, op = _instruction(name)
+            out.append((f"{model} {op}", a, b))
+    else:
+        out.append(("training", *tl["training"]))
     return out
 
 
-def timeline_png(runs: Sequence[tuple[str, dict[str, Any]]], world: int, path: str | Path
-                 ) -> Path:
+def _instruction(name: str) -> tuple[str, str]:
+    """``actor0:1F3`` -> ``("actor", "F")``."""
+    model = name.split(":", 1)[0].rstrip("0123456789")
+    op = name.split(":", 1)[1].lstrip("0123456789")[:1]
+    return model, op
+
+
+def _color(stage: str) -> str:
+    if " " in stage:
+        model, op = stage.split(" ")
+        return PIPELINE_COLORS.get((model, op), COLORS["training"])
+    return COLORS[stage]
+
+
+def timeline_png(runs: Sequence[tuple[str, dict[str, Any]]], world: int, path: str | Path,
+                 *, of: int | None = None) -> Path:
+    """One iteration per panel (``runs``: ``(title, timeline)``), a row per rank; ``of``: the
+    run's iteration count, for the title. Idle time (a rank waiting for a peer, a pipeline
+    bubble) is the grey left between the bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.2 + 0.7 * world * len(runs)),
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 1.5 + 0.8 * world * len(runs)),
                              sharex=True, squeeze=False)
+    used: set[str] = set()
     for ax, (title, tl) in zip(axes[:, 0], runs, strict=True):
-        for r in range(world):
-            for stage, a, b in segments(tl, r):
-                ax.barh(r, b - a, left=a, color=COLORS[stage], edgecolor="white", height=0.8)
         end = tl["training"][1]
+        for r in range(world):
+            ax.barh(r, end, left=0, color=IDLE, edgecolor="none", height=0.8)
+            for stage, a, b in segments(tl, r):
+                ax.barh(r, b - a, left=a, color=_color(stage), edgecolor="white",
+                        linewidth=0.3, height=0.8)
+                used.add(stage)
         ax.set_yticks(range(world), [f"rank {r}" for r in range(world)])
         ax.invert_yaxis()
-        ax.set_title(f"{title}: {end:.2f} s")
+        it = tl.get("iteration")
+        which = "" if it is None else f", iteration {it}"
+        if it is not None and of and it == of - 1 and of > 1:
+            which += f" (the last of {of}; 0 is the first)"
+        ax.set_title(f"{title}{which}: {end:.2f} s")
     axes[-1, 0].set_xlabel("seconds since the iteration started")
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
-    fig.legend(handles, list(COLORS), loc="upper center", ncol=len(COLORS), frameon=False)
-    fig.tight_layout(rect=(0, 0, 1, 0.93))
+    legend = [(c, s) for s, c in COLORS.items() if s in used]
+    legend += [(PIPELINE_COLORS[k], v) for k, v in PIPELINE_LABELS.items()
+               if f"{k[0]} {k[1]}" in used]
+    legend.append((IDLE, "idle (waiting for a peer, pipeline bubble)"))
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c, _ in legend]
+    rows = 2 if len(legend) > 5 else 1
+    fig.legend(handles, [n for _, n in legend], loc="upper center",
+               ncol=(len(legend) + rows - 1) // rows, frameon=False, fontsize=8)
+    fig.tight_layout(rect=(0, 0, 1, 0.92 if rows == 1 else 0.86))
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def compare_png(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
+    """``demo --compare``'s breakdown: per pair, fused beside serial, the stage seconds summed
+    over the iterations (left) and what the ranks did with their time (right, rank-seconds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from .compare import ACCOUNTS, STAGES
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
+    labels = []
+    for i, row in enumerate(rows):
+        for j, mode in enumerate(("fused", "serial")):
+            x = 2.5 * i + j
+            labels.append((x, f"{row['pair']} {mode}"))
+            for ax, keys in ((left, STAGES), (right, ACCOUNTS)):
+                bottom = 0.0
+                for k, (key, name) in enumerate(keys):
+                    v = row[mode]["stages"].get(key, 0.0)
+                    ax.bar(x, v, bottom=bottom, color=plt.cm.tab10(k if ax is left else k + 4),
+                           label=name if x == 0 else None, width=0.9)
+                    bottom += v
+        left.text(2.5 * i + 0.5, max(row["fused"]["iteration_s"], row["serial"]["iteration_s"]),
+                  f"{row['ratio']:.2f}x", ha="center", va="bottom", fontsize=9)
+    for ax, title, unit in ((left, "iteration time by stage", "seconds, summed over iterations"),
+                            (right, "where the ranks' time went", "rank-seconds")):
+        ax.set_xticks([x for x, _ in labels], [n for _, n in labels], rotation=30, fontsize=8)
+        ax.set_title(title)
+        ax.set_ylabel(unit)
+        ax.legend(fontsize=8)
+    ratios = [r["ratio"] for r in rows]
+    fig.suptitle(f"rlhf-fusion demo: serial/fused total iteration time, median "
+                 f"{statistics.median(ratios):.2f}x over {len(rows)} alternating pairs")
+    fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)
     plt.close(fig)

@@ -30,40 +30,54 @@ STICKY = 0.05
 # R_t before any length has been seen: a quarter of the batch (RLHFuse's sweeps put the best
 # R_t at 20-40 % of the batch for long-tailed lengths).
 FIRST_FRACTION = 0.25
+# No migration unless the simulator predicts at least this gain over the serial rollout: it
+# does not model the stream's per-sample store traffic or the trigger polling, and a gain
+# below this is within them (and within float noise when nothing is long-tailed).
+MIN_GAIN = 0.01
 # Weight of the newest batch when the length distribution is refined.
 REFINE_WEIGHT = 0.5
 
 
 class TimedBackend:
-    """A GenerationBackend that records ``(running samples, seconds)`` of every decode step."""
+    """A GenerationBackend that records ``(running samples, seconds)`` of every decode step,
+    and the thread CPU time the steps took (``cpu_s``): wall above CPU is time the step
+    waited for a core."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.steps: list[tuple[int, float]] = []
+        self.cpu_s = 0.0
 
     def step(self) -> Any:
         b = getattr(self._inner, "num_active", 0) or len(self._inner.unfinished())
+        c = time.thread_time()
         t = time.perf_counter()
         out = self._inner.step()
         self.steps.append((b, time.perf_counter() - t))
+        self.cpu_s += time.thread_time() - c
         return out
 
     def reset_timing(self) -> None:
         self.steps = []
+        self.cpu_s = 0.0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
 
-def timed_scoring(score: Callable[[Sequence[Any]], Any], log: list[tuple[int, float]]
-                  ) -> Callable[[Sequence[Any]], Any]:
-    """Wrap ``InferenceModels.score`` to log ``(tokens scored, seconds)`` per call."""
+def timed_scoring(score: Callable[[Sequence[Any]], Any], log: list[tuple[int, float]],
+                  cpu: list[float] | None = None) -> Callable[[Sequence[Any]], Any]:
+    """Wrap ``InferenceModels.score`` to log ``(tokens scored, seconds)`` per call (and its
+    thread CPU seconds to ``cpu``)."""
 
     def run(samples: Sequence[Any]) -> Any:
+        c = time.thread_time()
         t = time.perf_counter()
         out = score(samples)
         tokens = sum(len(s.prompt_ids) + len(s.token_ids) for s in samples)
         log.append((tokens, time.perf_counter() - t))
+        if cpu is not None:
+            cpu.append(time.thread_time() - c)
         return out
 
     return run
@@ -127,6 +141,12 @@ class RtPlanner:
             return max(1, round(FIRST_FRACTION * self.batch))
         plan = plan_migration(self.dist, self.cluster(), self.batch, trials=4, seed=0,
                               tolerance=TOLERANCE, pick="middle")
+        # No migration (R_t = 0, the serial rollout) whenever the simulator predicts no gain
+        # (MIN_GAIN) from any R_t; coming back takes twice that, so noise cannot flap.
+        top = plan.sweep.best
+        need = 2 * MIN_GAIN if self.current == 0 else MIN_GAIN
+        if top.fused_s > top.serial_s * (1 - need):
+            return 0
         best = plan.rt
         if self.current is not None:
             now = next((p for p in plan.sweep.feasible if p.rt == self.current), None)
@@ -135,7 +155,8 @@ class RtPlanner:
         return best
 
     def rt(self) -> int:
-        """R_t for the next rollout; collective when distributed (rank ``src`` decides)."""
+        """R_t for the next rollout, 0 for no migration (the serial rollout); collective when
+        distributed (rank ``src`` decides)."""
         box = [self._decide() if not dist.is_initialized() or dist.get_rank() == self.src
                else None]
         if dist.is_initialized():

@@ -84,7 +84,38 @@ def train(cfg: RLHFConfig, prompts: Sequence[str], *, out_dir: str | Path | None
                         timeout=cfg.fusion.timeout_s * max(cfg.iterations, 1) * 4 + 300)
     out = results[0].value
     out["states"] = [r.value["state"] for r in results]
+    _merge_train_events(out, [r.value for r in results])
     return out
+
+
+def _predicted_speedup(worker: Any) -> float | None:
+    """The planner's fused-over-serial-1F1B training speedup on the profiled stage times."""
+    sched = getattr(worker, "schedule", None)
+    try:
+        return float(sched.speedup()) if sched is not None else None
+    except (KeyError, ZeroDivisionError):
+        return None
+
+
+def _merge_train_events(out: dict[str, Any], per_rank: Sequence[dict[str, Any]]) -> None:
+    """Every rank's pipeline instructions into rank 0's timelines (``train_ranks``), on rank
+    0's clock: ``perf_counter`` is the machine's monotonic clock, shared by the processes."""
+    for key in ("timelines", "serial_timeline"):
+        mine = out.get(key)
+        if mine is None:
+            continue
+        lists = [mine] if isinstance(mine, dict) else mine
+        for i, tl in enumerate(lists):
+            ranks = []
+            for v in per_rank:
+                other = v.get(key)
+                o = other if isinstance(other, dict) else (other[i] if other else None)
+                if o is None:
+                    ranks.append([])
+                    continue
+                shift = o["t0"] - tl["t0"]
+                ranks.append([(n, a + shift, b + shift) for n, a, b in o["train_events"]])
+            tl["train_ranks"] = ranks
 
 
 def _with_searched_plan(cfg: RLHFConfig, prompt_ids: Sequence[Sequence[int]],
@@ -150,6 +181,8 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
     timelines = []
     kept = []
     end = cfg.iterations if stop_after is None else min(cfg.iterations, stop_after)
+    # One-time work before the clock starts: the training pipeline's profile and schedule.
+    planning_s = worker.plan_training(sum(map(len, prompt_ids)) / max(len(prompt_ids), 1))
     t_run = time.perf_counter()
     snapshot = None
     for it in range(start, end):
@@ -190,6 +223,7 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
     experiences = res.experiences if end > start else []
     worker.close()
     return {"history": history, "state": state, "timelines": timelines, "seconds": run_s,
+            "planning_s": planning_s, "schedule_speedup": _predicted_speedup(worker),
             "serial_timeline": serial_timeline, "rt_history": worker.rt_planner.history,
             "experiences": experiences if rank == 0 else None,
             "experience_log": kept if rank == 0 else None}

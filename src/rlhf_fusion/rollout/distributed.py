@@ -259,6 +259,7 @@ def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
     store.set(mine, str(published))
     r.gather(None, "start of generation")  # every count key exists before anyone reads them
     steps = 0
+    idle = IDLE_POLL_MIN_S
     while True:
         left = len(backend.unfinished())
         if left:
@@ -268,7 +269,11 @@ def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
             if steps % r.cfg.report_every and left:
                 continue
         else:
-            time.sleep(0.001)  # nothing to decode: this instance is idle until the trigger
+            # Nothing to decode: idle until the trigger. Back off as _stream does: each poll
+            # is store requests that rank 0's process serves, on the cores the decoding
+            # ranks need.
+            time.sleep(idle)
+            idle = min(2 * idle, IDLE_POLL_MAX_S)
         if left != published:
             store.set(mine, str(left))
             published = left
