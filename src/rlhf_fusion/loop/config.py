@@ -384,6 +384,12 @@ class RLHFConfig:
             v = getattr(pl, name)
             if v is not None and not (isinstance(v, str) and v):
                 raise LoopConfigError(f"placement.{name}: {v!r}; give a name or leave it unset")
+        if pl.preset is not None:
+            from ..placement.presets import PRESET_NAMES
+
+            if pl.preset not in PRESET_NAMES:
+                raise LoopConfigError(f"placement.preset: unknown placement preset "
+                                      f"{pl.preset!r}; use one of {', '.join(PRESET_NAMES)}")
         _number("placement.inference_fraction", pl.inference_fraction, above=0.0, below=1.0)
         if pl.search is not None:
             _number("placement.search", pl.search, above=0.0, unset=True,

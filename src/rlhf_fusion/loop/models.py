@@ -188,10 +188,15 @@ def _first_line(exc: BaseException) -> str:
     return text[0] if text else type(exc).__name__
 
 
-def source_config(name: str, src: ModelSource, vocab_size: int | None) -> Any:
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+
+
+def source_config(name: str, src: ModelSource, vocab_size: int | None, *,
+                  weights: bool = True) -> Any:
     """The ``transformers`` config of a model source, or :class:`LoopConfigError` naming the
     field: a local folder that is missing or holds no ``config.json``, a Hub id that cannot be
-    read, a tiny config with bad keys. Nothing but the config is read."""
+    read, a tiny config with bad keys; (``weights``) a folder without weight files. Nothing
+    but the config is read."""
     from transformers import AutoConfig
 
     if isinstance(src, Mapping):
@@ -203,6 +208,9 @@ def source_config(name: str, src: ModelSource, vocab_size: int | None) -> Any:
                                   "holding config.json)")
         if not (path / "config.json").is_file():
             raise LoopConfigError(f"{name}: {src} holds no config.json; {LOCAL_FOLDER_FIX}")
+        if weights and not any(any(path.glob(w)) for w in _WEIGHT_FILES):
+            raise LoopConfigError(f"{name}: {src} holds no weights ({', '.join(_WEIGHT_FILES)}); "
+                                  f"{LOCAL_FOLDER_FIX}")
         try:
             return AutoConfig.from_pretrained(str(path))
         except (OSError, ValueError) as exc:
@@ -308,18 +316,56 @@ def causal_lm(src: ModelSource, vocab_size: int, seed: int = 0) -> nn.Module:
     if isinstance(src, Mapping):
         config, s = _config_of(src, vocab_size)
         return build_causal_lm(config, seed + s)
-    return AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(src, **_float32())
 
 
 def value_model(src: ModelSource, vocab_size: int, seed: int = 0) -> CriticModel:
     """A Critic/Reward: the source's decoder backbone and a freshly seeded value head."""
-    from transformers import AutoModel
-
     if isinstance(src, Mapping):
         config, s = _config_of(src, vocab_size)
         return build_value_model(config, seed + s)
-    backbone = AutoModel.from_pretrained(src, torch_dtype=torch.float32)
+    backbone = load_backbone(src)
     return seeded(seed, lambda: CriticModel(backbone))
+
+
+# The heads a causal LM or a reward model checkpoint holds beside its decoder backbone.
+_HEAD_KEYS = (r"^lm_head\.", r"^score\.")
+
+
+def load_backbone(src: str) -> nn.Module:
+    """The decoder backbone (``AutoModel``) of a checkpoint, in float32.
+
+    A causal LM's checkpoint also holds ``lm_head.weight`` (a reward model's, ``score``), which
+    the backbone has no place for: transformers would print a LOAD REPORT marking it
+    UNEXPECTED on every rank. Leaving the head out is what is meant here, so those keys are
+    declared expected for this load (any other mismatch is still reported)."""
+    from transformers import AutoConfig, AutoModel
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    cls = MODEL_MAPPING[type(AutoConfig.from_pretrained(src))]
+    before = cls.__dict__.get("_keys_to_ignore_on_load_unexpected", _UNSET)
+    cls._keys_to_ignore_on_load_unexpected = [*(getattr(cls, "_keys_to_ignore_on_load_unexpected",
+                                                        None) or []), *_HEAD_KEYS]
+    try:
+        return AutoModel.from_pretrained(src, **_float32())
+    finally:
+        if before is _UNSET:
+            del cls._keys_to_ignore_on_load_unexpected
+        else:
+            cls._keys_to_ignore_on_load_unexpected = before
+
+
+_UNSET = object()
+
+
+def _float32() -> dict[str, Any]:
+    """float32 weights, under the keyword this transformers takes (``dtype`` since 4.56;
+    ``torch_dtype`` before, deprecated after)."""
+    import transformers
+    from packaging.version import Version
+
+    new = Version(transformers.__version__) >= Version("4.56")
+    return {"dtype" if new else "torch_dtype": torch.float32}
 
 
 def model_configs(cfg: ModelsConfig) -> dict[str, Any]:
