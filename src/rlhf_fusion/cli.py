@@ -94,7 +94,7 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .loop.demo import run_demo
 
-    return _run_logged("demo", args.out, lambda: run_demo(
+    return run_logged("rlhf-fusion demo", args.out, lambda: run_demo(
         args.out, iterations=args.iterations, serial=args.serial))
 
 
@@ -120,7 +120,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     except LoopConfigError as exc:
         print(f"rlhf-fusion train: error: {exc}", file=sys.stderr)
         return 2
-    return _run_logged("train", args.out, lambda: train(
+    return run_logged("rlhf-fusion train", args.out, lambda: train(
         cfg, prompts, out_dir=args.out, checkpoint_every=args.checkpoint_every,
         resume=args.resume))
 
@@ -128,9 +128,10 @@ def cmd_train(args: argparse.Namespace) -> int:
 ERROR_LOG = "error.log"
 
 
-def _run_logged(command: str, out: str | Path, run: Callable[[], Any]) -> int:
-    """Run, and turn any failure into one line on stderr naming its cause (exit 2 for a
-    config error found late, exit 1 otherwise), with every traceback in ``OUT/error.log``."""
+def run_logged(prog: str, out: str | Path, run: Callable[[], Any]) -> int:
+    """Run, and turn any failure into one line on stderr, ``PROG: error: CAUSE`` (exit 2 for
+    a config error found late, exit 1 otherwise), with every traceback in ``OUT/error.log``.
+    The examples report their errors through it too."""
     import traceback
 
     from .loop import LoopConfigError
@@ -138,11 +139,11 @@ def _run_logged(command: str, out: str | Path, run: Callable[[], Any]) -> int:
     try:
         run()
     except LoopConfigError as exc:
-        print(f"rlhf-fusion {command}: error: {exc}", file=sys.stderr)
+        print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - reported in one line, logged in full
         log = _write_error_log(out, traceback.format_exc(), exc)
-        print(f"rlhf-fusion {command}: error: {_one_line(exc)} (full traceback: {log})",
+        print(f"{prog}: error: {_one_line(exc)} (full traceback: {log})",
               file=sys.stderr)
         return 1
     return 0
