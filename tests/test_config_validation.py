@@ -91,7 +91,7 @@ BAD = [
     ("fusion.rt", 100, "outside the batch of 8 samples"),
     ("fusion.rt", "half", "use 'auto', a fraction in (0, 1) or a sample count"),
     ("fusion.mechanism", "rdma", "use one of kv, tokens, auto"),
-    ("fusion.pipeline_stages", 3, "does not divide world_size=2"),
+    ("fusion.pipeline_stages", 3, "3 stages need as many ranks; world_size is 2"),
     ("fusion.critic_stages", 0, "must be an integer >= 1"),
     ("fusion.solver", "magic", "use one of auto, cpsat"),
     ("fusion.solver_time_limit", 0, "must be a number > 0"),

@@ -1,8 +1,9 @@
 """Everything one RLHF run needs to know, validated before any process starts.
 
-``RLHFConfig`` nests four sections (models, generation, PPO, fusion); ``from_dict`` reads the
-same layout from YAML/JSON (``rlhf-fusion train CONFIG.yaml``). Every bad value raises
-:class:`LoopConfigError` naming the field and the fix.
+``RLHFConfig`` nests five sections (models, generation, ppo, fusion, placement) beside three
+top-level keys; ``from_file``/``from_dict`` read the same layout from YAML/JSON (``rlhf-fusion
+train CONFIG.yaml``). Every bad value raises :class:`LoopConfigError` naming the field and the
+fix, before any process starts (docs/loop.md lists every field).
 """
 
 from __future__ import annotations
@@ -371,6 +372,10 @@ class RLHFConfig:
         for name in ("pipeline_stages", "critic_stages"):
             if getattr(f, name) is not None:
                 _integer(f"fusion.{name}", getattr(f, name), 1, unset=True)
+        if f.pipeline_stages is not None and f.pipeline_stages > self.world_size:
+            raise LoopConfigError(
+                f"fusion.pipeline_stages: {f.pipeline_stages} stages need as many ranks; "
+                f"world_size is {self.world_size}: use a divisor of it")
         if f.critic_stages is not None and self.world_size > 1 and f.critic_stages > self.stages():
             raise LoopConfigError(
                 f"fusion.critic_stages: {f.critic_stages} is more than the pipeline's "
