@@ -382,3 +382,18 @@ def test_every_command_that_writes_takes_out():
                if isinstance(a, argparse._SubParsersAction))
     for name in ("schedule", "demo", "train", "plan-demo", "plan", "profile-layers"):
         assert any("--out" in a.option_strings for a in sub.choices[name]._actions), name
+
+
+def test_an_unreadable_hub_id_is_one_line_without_retries(tmp_path, monkeypatch, capsys,
+                                                          no_processes):
+    """Not a folder, not in the Hub cache, and the Hub unreachable: refused at once (asking
+    would cost half a minute of retries), naming the field and the offline fix."""
+    import rlhf_fusion.loop.models as models
+
+    monkeypatch.setattr(models, "_hub_unreachable", lambda: "huggingface.co does not resolve")
+    (tmp_path / "run.yaml").write_text(yaml.safe_dump(with_value("models.ref", "org/no-model")))
+    assert cli.main(["train", str(tmp_path / "run.yaml")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, err
+    assert ("models.ref: org/no-model: no such directory, and not in the Hub cache while the "
+            "Hub cannot be reached (huggingface.co does not resolve)") in err

@@ -219,12 +219,40 @@ def source_config(name: str, src: ModelSource, vocab_size: int | None, *,
     if not _HUB_ID.match(src) or src.startswith((".", "~")):
         raise LoopConfigError(f"{name}: {src}: no such directory; {LOCAL_FOLDER_FIX}")
     try:
+        return AutoConfig.from_pretrained(src, local_files_only=True)   # in the Hub cache
+    except (OSError, ValueError):
+        pass
+    unreachable = _hub_unreachable()
+    if unreachable:
+        raise LoopConfigError(
+            f"{name}: {src}: no such directory, and not in the Hub cache while the Hub cannot "
+            f"be reached ({unreachable}); give an existing local folder (docs/loop.md, 'A local "
+            "model folder'), or run where the Hub is reachable once")
+    try:
         return AutoConfig.from_pretrained(src)
     except (OSError, ValueError) as exc:
         raise LoopConfigError(
             f"{name}: {src}: no such directory, and the Hub model cannot be read "
             f"({_first_line(exc)}); give an existing local folder, or check the Hub id and the "
             "network (offline: docs/loop.md, 'A local model folder')") from None
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hub cannot be asked (offline mode, a host that does not resolve), else None:
+    asking anyway costs half a minute of retries before the same answer."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as exc:
+        return f"{host} does not resolve: {exc.strerror or exc}"
+    return None
 
 
 def check_sources(cfg: Any, placement: Any = None) -> None:
