@@ -298,8 +298,9 @@ def test_the_cause_is_the_rank_that_failed_on_its_own():
     ])
     assert cli._one_line(exc) == ("rank 1: ValueError: Invalid learning rate (2 of 3 ranks "
                                   "failed)")
-    died = DistributedRunError([RankResult(0, False, error_type="PeerError", error="reset"),
-                                RankResult(1, False, error_type="Died", error="exit code -9")])
+    died = DistributedRunError([
+        RankResult(0, False, error_type="RuntimeError", error="Connection closed by peer"),
+        RankResult(1, False, error_type="Died", error="exit code -9")])
     assert cli._one_line(died) == "rank 1: Died: exit code -9 (2 of 2 ranks failed)"
 
 

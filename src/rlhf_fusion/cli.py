@@ -155,15 +155,16 @@ _CONSEQUENCES = ("Deadline", "NotAwaited", "PeerError", "PipelineTimeoutError",
 
 
 def _one_line(exc: BaseException) -> str:
-    """The cause of ``exc`` in one line: for a multi-process failure, the first rank whose
-    error is its own (not a timeout waiting for a peer), else the first rank that died."""
+    """The cause of ``exc`` in one line: for a multi-process failure, the first rank that
+    died without reporting (the others' errors follow from it: a closed connection, a
+    timeout), else the first whose error is its own (not a wait on a peer), else the first."""
     from .launch import DistributedRunError
 
     if isinstance(exc, DistributedRunError):
         bad = [r for r in exc.results if not r.ok]
         own = [r for r in bad if r.error_type not in (*_CONSEQUENCES, "Died")]
         died = [r for r in bad if r.error_type == "Died"]
-        r = (own or died or bad)[0]
+        r = (died or own or bad)[0]
         first = (r.error.strip().splitlines() or [""])[0]
         return (f"rank {r.rank}: {r.error_type}: {first} ({len(bad)} of {len(exc.results)} "
                 "ranks failed)")
