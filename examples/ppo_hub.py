@@ -10,10 +10,13 @@ function). Prompts: ``--prompts FILE`` (one a line), or the demo's prompt set.
 from __future__ import annotations
 
 import argparse
+import sys
 
+from rlhf_fusion.cli import run_logged
 from rlhf_fusion.loop import (
     FusionConfig,
     GenerationConfig,
+    LoopConfigError,
     ModelsConfig,
     PPOLoopConfig,
     RLHFConfig,
@@ -29,7 +32,7 @@ def reward(prompt: str, response: str) -> float:
     return 1.0 - min(abs(words - 20), 20) / 20 + (0.5 if response.strip().endswith(".") else 0.0)
 
 
-def main() -> None:
+def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True, help="Hub id or local directory")
     ap.add_argument("--prompts", default=None, help="prompt file (default: the demo's)")
@@ -49,9 +52,16 @@ def main() -> None:
         world_size=args.world_size,
         iterations=args.iterations,
     )
-    prompts = load_prompts(args.prompts) if args.prompts else demo_prompts()
-    train(cfg, prompts, out_dir=args.out, checkpoint_every=1)
+    try:
+        cfg.validate()   # a missing model folder, a bad number: one line, before any process
+        prompts = load_prompts(args.prompts) if args.prompts else demo_prompts()
+    except LoopConfigError as exc:
+        print(f"ppo_hub.py: error: {exc}", file=sys.stderr)
+        return 2
+    # A failure while running: one line here, every traceback in OUT/error.log.
+    return run_logged("ppo_hub.py", args.out,
+                      lambda: train(cfg, prompts, out_dir=args.out, checkpoint_every=1))
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

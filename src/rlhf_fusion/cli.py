@@ -1,12 +1,18 @@
-"""The ``rlhf-fusion`` command."""
+"""The rlhf-fusion command: run PPO with stage fusion, or plan fused schedules and placements.
+
+Errors are one line naming the file or field and the fix: exit 2 for a bad config or
+argument (refused before any process starts), exit 1 for a failure while running (the full
+traceback goes to error.log in the output directory).
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 # The RLHFuse Table 3 setting "33B/13B PP 8/4 GBS 8" in the planner's cost model: a small
 # problem the demo solves to the bound in seconds.
@@ -89,20 +95,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .loop.demo import run_demo
 
     if args.compare:
-        from .loop.compare import CompareError, compare
+        from .loop.compare import compare
 
         if args.serial or args.pairs < 1:
             print("rlhf-fusion demo: error: --compare runs both modes; drop --serial and give "
                   "--pairs 1 or more", file=sys.stderr)
             return 2
-        try:
-            compare(args.out, pairs=args.pairs, iterations=args.iterations)
-        except CompareError as exc:
-            print(f"rlhf-fusion demo --compare: error: {exc}", file=sys.stderr)
-            return 1
-        return 0
-    run_demo(args.out, iterations=args.iterations, serial=args.serial)
-    return 0
+        # a CompareError (the modes' samples differ) is one line and exit 1, like any failure
+        return run_logged("rlhf-fusion demo --compare", args.out, lambda: compare(
+            args.out, pairs=args.pairs, iterations=args.iterations))
+    return run_logged("rlhf-fusion demo", args.out, lambda: run_demo(
+        args.out, iterations=args.iterations, serial=args.serial))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -113,20 +116,103 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg = RLHFConfig.from_file(args.config)
         if args.iterations is not None:
             cfg.iterations = args.iterations
-        prompts = load_prompts(cfg.prompts) if cfg.prompts else demo_prompts()
-        train(cfg, prompts, out_dir=args.out, checkpoint_every=args.checkpoint_every,
-              resume=args.resume)
+        try:
+            cfg.validate()
+        except LoopConfigError as exc:
+            raise LoopConfigError(f"{args.config}: {exc}") from None
+        if cfg.prompts:
+            prompts = load_prompts(cfg.prompts)
+        else:
+            prompts = demo_prompts()
+            print(f"prompts: {args.config} sets none; using the demo's {len(prompts)} prompts "
+                  "(rlhf_fusion/loop/data/prompts.txt); set prompts: FILE for your own",
+                  file=sys.stderr)
     except LoopConfigError as exc:
         print(f"rlhf-fusion train: error: {exc}", file=sys.stderr)
         return 2
+    return run_logged("rlhf-fusion train", args.out, lambda: train(
+        cfg, prompts, out_dir=args.out, checkpoint_every=args.checkpoint_every,
+        resume=args.resume))
+
+
+ERROR_LOG = "error.log"
+
+
+def run_logged(prog: str, out: str | Path, run: Callable[[], Any]) -> int:
+    """Run, and turn any failure into one line on stderr, ``PROG: error: CAUSE`` (exit 2 for
+    a config error found late, exit 1 otherwise), with every traceback in ``OUT/error.log``.
+    The examples report their errors through it too."""
+    import traceback
+
+    from .loop import LoopConfigError
+
+    try:
+        run()
+    except LoopConfigError as exc:
+        print(f"{prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # noqa: BLE001 - reported in one line, logged in full
+        log = _write_error_log(out, traceback.format_exc(), exc)
+        print(f"{prog}: error: {_one_line(exc)} (full traceback: {log})",
+              file=sys.stderr)
+        return 1
     return 0
+
+
+# Failures that follow from another rank's: the cause is the rank that failed otherwise.
+_CONSEQUENCES = ("Deadline", "NotAwaited", "PeerError", "PipelineTimeoutError",
+                 "DistBackendError", "DistNetworkError", "DistStoreError", "RankFailedError")
+
+
+def _one_line(exc: BaseException) -> str:
+    """The cause of ``exc`` in one line: for a multi-process failure, the first rank that
+    died without reporting (the others' errors follow from it: a closed connection, a
+    timeout), else the first whose error is its own (not a wait on a peer), else the first."""
+    from .launch import DistributedRunError
+
+    if isinstance(exc, DistributedRunError):
+        bad = [r for r in exc.results if not r.ok]
+        own = [r for r in bad if r.error_type not in (*_CONSEQUENCES, "Died")]
+        died = [r for r in bad if r.error_type == "Died"]
+        r = (died or own or bad)[0]
+        first = (r.error.strip().splitlines() or [""])[0]
+        return (f"rank {r.rank}: {r.error_type}: {first} ({len(bad)} of {len(exc.results)} "
+                "ranks failed)")
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first}"
+
+
+def _write_error_log(out: str | Path, trace: str, exc: BaseException) -> Path:
+    """``OUT/error.log`` (a temporary file when OUT cannot be written), appended to."""
+    import datetime
+    import tempfile
+
+    from .launch import DistributedRunError
+
+    text = [f"--- {datetime.datetime.now().isoformat(timespec='seconds')} {' '.join(sys.argv)}",
+            trace]
+    if isinstance(exc, DistributedRunError):
+        for r in exc.results:
+            if not r.ok:
+                text.append(f"--- rank {r.rank}: {r.error_type}: {r.error}\n{r.traceback}")
+    try:
+        path = Path(out) / ERROR_LOG
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a") as fh:
+            fh.write("\n".join(text) + "\n")
+    except OSError:
+        fd, name = tempfile.mkstemp(prefix="rlhf-fusion-error-", suffix=".log")
+        with open(fd, "w") as fh:
+            fh.write("\n".join(text) + "\n")
+        path = Path(name)
+    return path
 
 
 def cmd_plan_demo(args: argparse.Namespace) -> int:
     from .schedule import Problem
     from .schedule.plot import plot_schedule
 
-    out = Path(args.out_dir)
+    out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     problem = Problem.from_dict(DEMO_PROBLEM)
     (out / "problem.json").write_text(json.dumps(DEMO_PROBLEM, indent=1) + "\n")
@@ -198,15 +284,49 @@ def cmd_openrlhf(args: argparse.Namespace) -> int:
     return openrlhf_main(args.openrlhf_argv)
 
 
+def _count(least: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``least``, refused with exit 2 otherwise."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < least:
+            raise argparse.ArgumentTypeError(f"must be >= {least}, got {value}")
+        return value
+
+    parse.__name__ = f"integer >= {least}"
+    return parse
+
+
+class _DeprecatedAlias(argparse.Action):
+    """An old option name: still accepted, with a note naming the new one."""
+
+    def __init__(self, *args: Any, new: str = "", **kw: Any) -> None:
+        self.new = new
+        super().__init__(*args, **kw)
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        print(f"rlhf-fusion: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
     from .schedule import SOLVERS
 
-    parser = argparse.ArgumentParser(prog="rlhf-fusion", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="rlhf-fusion", description=__doc__.split("\n\n")[0],
+        epilog="`rlhf-fusion COMMAND --help` shows a command's options. Docs: README.md, "
+               "docs/loop.md (train configs), docs/placement.md (plan).")
+    parser.add_argument("--version", action="version", version=f"rlhf-fusion {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     p = sub.add_parser("schedule", help="find a fused Actor/Critic pipeline schedule")
     p.add_argument("problem", help="problem JSON (see docs/architecture.md), or a schedule/table3 entry")
-    p.add_argument("--solver", default="auto", choices=SOLVERS)
+    p.add_argument("--solver", default="auto", choices=SOLVERS,
+                   help="search method (default: auto, CP-SAT seeded by the annealer)")
     p.add_argument("--time-limit", type=float, default=60.0, help="seconds for the search")
     p.add_argument("--memory-capacity", type=float, default=None,
                    help="activation memory capacity per group (overrides the problem's)")
@@ -217,8 +337,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_schedule)
 
     d = sub.add_parser("demo", help="PPO on tiny models, 2 CPU processes, every plugin on")
-    d.add_argument("--out", default="rlhf-fusion-demo", help="output directory")
-    d.add_argument("--iterations", type=int, default=24)
+    d.add_argument("--out", default="rlhf-fusion-demo",
+                   help="output directory (default: rlhf-fusion-demo)")
+    d.add_argument("--iterations", type=_count(1), default=24,
+                   help="PPO iterations, >= 1 (default: 24)")
     d.add_argument("--serial", action="store_true",
                    help="the serial baseline (no inter- or intra-stage fusion)")
     d.add_argument("--compare", action="store_true",
@@ -230,16 +352,24 @@ def build_parser() -> argparse.ArgumentParser:
     d.set_defaults(func=cmd_demo)
 
     t = sub.add_parser("train", help="run PPO from a YAML/JSON config (models, prompts, knobs)")
-    t.add_argument("config", help="RLHFConfig as YAML or JSON (see docs/loop.md)")
-    t.add_argument("--out", default="rlhf-fusion-run", help="metrics and checkpoints go here")
-    t.add_argument("--iterations", type=int, default=None, help="override config.iterations")
-    t.add_argument("--checkpoint-every", type=int, default=1, help="iterations per checkpoint")
+    t.add_argument("config", help="RLHFConfig as YAML or JSON (docs/loop.md; examples in "
+                                  "examples/configs/)")
+    t.add_argument("--out", default="rlhf-fusion-run",
+                   help="metrics, checkpoints and error.log go here (default: rlhf-fusion-run)")
+    t.add_argument("--iterations", type=_count(0), default=None,
+                   help="override the config's iterations")
+    t.add_argument("--checkpoint-every", type=_count(0), default=1,
+                   help="iterations per checkpoint, 0: none (default: 1)")
     t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
     t.set_defaults(func=cmd_train)
 
     pd = sub.add_parser("plan-demo", help="plan a fused schedule for a built-in setting, plot it")
-    pd.add_argument("--out-dir", default="rlhf-fusion-plan-demo")
-    pd.add_argument("--time-limit", type=float, default=20.0)
+    pd.add_argument("--out", default="rlhf-fusion-plan-demo",
+                    help="output directory (default: rlhf-fusion-plan-demo)")
+    pd.add_argument("--out-dir", dest="out", action=_DeprecatedAlias, new="--out",
+                    help=argparse.SUPPRESS)
+    pd.add_argument("--time-limit", type=float, default=20.0,
+                    help="seconds for the search (default: 20)")
     pd.set_defaults(func=cmd_plan_demo)
 
     from .rollout.cli import add_plan_migration_parser, run_plan_migration
@@ -255,7 +385,7 @@ def build_parser() -> argparse.ArgumentParser:
     pl.set_defaults(func=run_plan)
 
     pr = sub.add_parser("profile-layers",
-                        help="measure one decoder layer's forward/backward time for `plan`")
+                        help="time a model's decoder layers (and the rest of a pass) for `plan`")
     pr.add_argument("model", help="a local model directory or Hub id (only its config is read)")
     pr.add_argument("--out", default="layer-profile.json", help="the profile JSON")
     pr.add_argument("--tokens", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096],
@@ -263,7 +393,8 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--seq-len", type=int, default=512, help="tokens per row")
     pr.add_argument("--repeats", type=int, default=3, help="timed passes per count (fastest kept)")
     pr.add_argument("--device", default="auto", help="auto: cuda when there is one, else cpu")
-    pr.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    pr.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"],
+                    help="the weights' and activations' dtype (default: bfloat16)")
     pr.add_argument("--head", default="lm", choices=["lm", "none"],
                     help="lm: with the vocabulary head (Actor, Ref); none: the backbone "
                          "(Critic, Reward: a one-column value head)")
@@ -274,8 +405,12 @@ def build_parser() -> argparse.ArgumentParser:
     # its prefix), rlhf_fusion.integrations.openrlhf splits off the --fusion.* ones.
     o = sub.add_parser("openrlhf", prefix_chars="\x00", add_help=False,
                        help="OpenRLHF's train_ppo_ray (every flag) with --fusion.* plugins")
-    o.add_argument("openrlhf_argv", nargs="*")
+    o.add_argument("openrlhf_argv", nargs="*",
+                   help="train_ppo_ray's flags, passed through, and --fusion.* plugin flags")
     o.set_defaults(func=cmd_openrlhf)
+    # `COMMAND --help` opens with the line the command list shows.
+    for choice in sub._choices_actions:
+        sub.choices[choice.dest].description = sub.choices[choice.dest].description or choice.help
     return parser
 
 

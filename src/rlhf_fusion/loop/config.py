@@ -1,8 +1,9 @@
 """Everything one RLHF run needs to know, validated before any process starts.
 
-``RLHFConfig`` nests four sections (models, generation, PPO, fusion); ``from_dict`` reads the
-same layout from YAML/JSON (``rlhf-fusion train CONFIG.yaml``). Every bad value raises
-:class:`LoopConfigError` naming the field and the fix.
+``RLHFConfig`` nests five sections (models, generation, ppo, fusion, placement) beside three
+top-level keys; ``from_file``/``from_dict`` read the same layout from YAML/JSON (``rlhf-fusion
+train CONFIG.yaml``). Every bad value raises :class:`LoopConfigError` naming the field and the
+fix, before any process starts (docs/loop.md lists every field).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 
 MODEL_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 MECHANISMS = ("kv", "tokens", "auto")
+BACKENDS = ("reference", "vllm")
 
 
 class LoopConfigError(ValueError):
@@ -157,6 +159,9 @@ class RLHFConfig:
         sections = {"models": ModelsConfig, "generation": GenerationConfig,
                     "ppo": PPOLoopConfig, "fusion": FusionConfig,
                     "placement": PlacementSection}
+        if not isinstance(data, Mapping):
+            raise LoopConfigError(f"config: expected a mapping of sections, got "
+                                  f"{type(data).__name__}")
         top = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - top)
         if unknown:
@@ -171,22 +176,61 @@ class RLHFConfig:
 
     @classmethod
     def from_file(cls, path: str | Path) -> RLHFConfig:
+        """Read a YAML (``.yaml``/``.yml``, or any other name) or JSON (``.json``) config;
+        every error names the file, and the line for a syntax error."""
         p = Path(path)
-        text = p.read_text()
-        if p.suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text) or {}
-        else:
+        if p.is_dir():
+            raise LoopConfigError(f"{p} is a directory; give the config file inside it (YAML or "
+                                  "JSON, see examples/configs/)")
+        if not p.exists():
+            raise LoopConfigError(f"{p} does not exist; give the path of a YAML or JSON config "
+                                  "(see examples/configs/)")
+        try:
+            text = p.read_text()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise LoopConfigError(f"{p}: cannot be read ({exc}); give a YAML or JSON text "
+                                  "file") from None
+        if p.suffix == ".json":
             import json
 
-            data = json.loads(text)
-        cfg = cls.from_dict(data)
-        if cfg.prompts is not None and not Path(cfg.prompts).is_absolute():
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise LoopConfigError(f"{p}: line {exc.lineno}, column {exc.colno}: invalid "
+                                      f"JSON ({exc.msg}); fix the syntax there") from None
+        else:
+            import yaml
+
+            try:
+                data = yaml.safe_load(text)
+            except yaml.YAMLError as exc:
+                mark = getattr(exc, "problem_mark", None)
+                where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+                what = getattr(exc, "problem", None) or type(exc).__name__
+                raise LoopConfigError(
+                    f"{p}: {where}invalid YAML ({what}); fix the syntax there (nested keys "
+                    "indented under their section, a space after each colon, values holding "
+                    "': ' quoted)") from None
+        if data is None:
+            data = {}
+        if not isinstance(data, Mapping):
+            raise LoopConfigError(f"{p}: holds a {type(data).__name__}, not a mapping; write "
+                                  "top-level keys such as models:, generation:, ppo:")
+        try:
+            cfg = cls.from_dict(data)
+        except LoopConfigError as exc:
+            raise LoopConfigError(f"{p}: {exc}") from None
+        if cfg.prompts is not None and isinstance(cfg.prompts, str) and not Path(
+                cfg.prompts).is_absolute():
             cfg.prompts = str((p.parent / cfg.prompts).resolve())
         plan = cfg.placement.plan
-        if plan is not None and not Path(plan).is_absolute():
+        if isinstance(plan, str) and not Path(plan).is_absolute():
             cfg.placement.plan = str((p.parent / plan).resolve())
+        for name in ("actor", "critic", "ref", "reward", "tokenizer"):
+            # a local folder written relative to the config, as prompts and plan are
+            src = getattr(cfg.models, name)
+            if isinstance(src, str) and src.startswith(("./", "../")):
+                setattr(cfg.models, name, str((p.parent / src).resolve()))
         return cfg
 
     def to_dict(self) -> dict[str, Any]:
@@ -196,25 +240,13 @@ class RLHFConfig:
         return out
 
     # -- checking --------------------------------------------------------------------------------
-    def validate(self) -> None:
-        """Raise :class:`LoopConfigError` for anything that cannot run (no process started)."""
+    def validate(self, *, sources: bool = True) -> None:
+        """Raise :class:`LoopConfigError` for anything that cannot run (no process started):
+        every field's type and range, the cross-field rules, and (``sources``) the model
+        sources, built on the meta device (unknown keys, missing folders, unknown reward
+        rules, more pipeline stages than decoder layers)."""
+        self._check_fields()
         g, p, f = self.generation, self.ppo, self.fusion
-        _positive("world_size", self.world_size)
-        _positive("iterations", self.iterations, zero=True)
-        for src_name in ("actor", "critic", "ref"):
-            src = getattr(self.models, src_name)
-            if isinstance(src, Mapping):
-                fam = src.get("family", "llama")
-                if fam not in MODEL_FAMILIES:
-                    raise LoopConfigError(
-                        f"models.{src_name}.family: unknown model family {fam!r}; supported: "
-                        f"{', '.join(MODEL_FAMILIES)}")
-        _positive("generation.prompts_per_iteration", g.prompts_per_iteration)
-        _positive("generation.max_new_tokens", g.max_new_tokens)
-        _positive("generation.bs_max", g.bs_max)
-        if g.backend not in ("reference", "vllm"):
-            raise LoopConfigError(
-                f"generation.backend: {g.backend!r}; use 'reference' or 'vllm'")
         if g.backend == "vllm":
             if not isinstance(self.models.actor, str):
                 raise LoopConfigError(
@@ -224,17 +256,27 @@ class RLHFConfig:
                 raise LoopConfigError(
                     "fusion.mechanism: vLLM engines export no KV cache; use tokens or auto "
                     "with generation.backend: vllm")
-        if g.temperature <= 0:
-            raise LoopConfigError("generation.temperature: must be > 0 (PPO needs the sampling "
-                                  "distribution's logprobs)")
-        for name in ("num_ppo_epochs", "num_mini_batches", "micro_batches"):
-            _positive(f"ppo.{name}", getattr(p, name))
+        elif g.vllm_engine_kwargs:
+            raise LoopConfigError("generation.vllm_engine_kwargs: only used with backend: vllm; "
+                                  "remove it or set generation.backend: vllm")
+        if g.kv_capacity_tokens is not None:
+            need = -(-(g.max_new_tokens + 1) // 16) * 16   # one prompt token + the response
+            if g.kv_capacity_tokens < need:
+                raise LoopConfigError(
+                    f"generation.kv_capacity_tokens: {g.kv_capacity_tokens} cannot hold one "
+                    f"sample of max_new_tokens={g.max_new_tokens} (at least {need} with its "
+                    "prompt); raise it, lower generation.max_new_tokens, or leave it unset "
+                    "(no limit)")
         batch = g.prompts_per_iteration
         if batch % p.num_mini_batches:
             raise LoopConfigError(
                 f"ppo.num_mini_batches: {p.num_mini_batches} does not divide "
                 f"generation.prompts_per_iteration={batch}; use a divisor of {batch}")
         mini = batch // p.num_mini_batches
+        if self.world_size > 1 and self.world_size % self.stages():
+            raise LoopConfigError(
+                f"fusion.pipeline_stages: {self.stages()} does not divide "
+                f"world_size={self.world_size}; use a divisor of {self.world_size}")
         replicas = self.world_size // self.stages() if self.world_size > 1 else 1
         if self.placement.given:
             replicas = 1   # micro_batches counts a whole mini-batch (checked per call below)
@@ -243,41 +285,126 @@ class RLHFConfig:
                 f"ppo.micro_batches: a mini-batch of {mini} samples cannot be split into "
                 f"{p.micro_batches} micro-batches x {replicas} data-parallel replicas; pick "
                 f"micro_batches dividing {mini // replicas}")
-        if p.kl_mode not in ("reward", "loss"):
-            raise LoopConfigError(f"ppo.kl_mode: {p.kl_mode!r}; use 'reward' or 'loss'")
-        if p.kl_estimator not in ("k1", "k2", "k3"):
-            raise LoopConfigError(f"ppo.kl_estimator: {p.kl_estimator!r}; use k1, k2 or k3")
-        if not (0 <= p.gamma <= 1 and 0 <= p.lam <= 1):
-            raise LoopConfigError("ppo.gamma and ppo.lam must lie in [0, 1]")
-        if f.mechanism not in MECHANISMS:
-            raise LoopConfigError(f"fusion.mechanism: {f.mechanism!r}; use one of {MECHANISMS}")
         if f.inter:
             if self.world_size < 2:
                 raise LoopConfigError(
                     "fusion.inter: inter-stage fusion needs world_size >= 2 generation "
                     "instances; set world_size: 2 or fusion.inter: false")
+        if f.inter or not isinstance(f.rt, str):
             self.rt_samples(None)
         if self.world_size > 1:
             n = self.stages()
-            if self.world_size % n:
-                raise LoopConfigError(
-                    f"fusion.pipeline_stages: {n} does not divide world_size={self.world_size}")
             cs = f.critic_stages or n
             if n % cs:
                 raise LoopConfigError(
-                    f"fusion.critic_stages: {cs} does not divide pipeline_stages={n}")
+                    f"fusion.critic_stages: {cs} does not divide pipeline_stages={n}; use a "
+                    f"divisor of {n}")
             if (p.micro_batches % (n // cs)):
                 raise LoopConfigError(
                     f"ppo.micro_batches: {p.micro_batches} cannot be shared by the {n // cs} "
                     f"Critic copies; use a multiple of {n // cs}")
-        if f.timeout_s <= 0:
-            raise LoopConfigError("fusion.timeout_s: must be > 0 seconds")
         offload_names(self.placement.offload)
         if self.placement.profile and self.placement.search is None:
             raise LoopConfigError("placement.profile: profiling feeds the plan search; give "
                                   "placement.search (seconds) with it")
-        if self.placement.given:
-            self.loop_placement()
+        placement = self.loop_placement() if self.placement.given else None
+        if sources:
+            from .models import check_sources
+
+            check_sources(self, placement)
+
+    def _check_fields(self) -> None:
+        """Each field on its own: its type and its range."""
+        m, g, p, f, pl = self.models, self.generation, self.ppo, self.fusion, self.placement
+        _integer("world_size", self.world_size, 1)
+        _integer("iterations", self.iterations, 0)
+        if self.prompts is not None:
+            _prompts_file(self.prompts)
+        _source("models.actor", m.actor)
+        for name in ("critic", "ref"):
+            if getattr(m, name) is not None:
+                _source(f"models.{name}", getattr(m, name))
+        if not callable(m.reward):
+            _source("models.reward", m.reward)
+        if m.tokenizer is not None and not (isinstance(m.tokenizer, str) and m.tokenizer):
+            raise LoopConfigError(f"models.tokenizer: {m.tokenizer!r}; give a Hub id or a local "
+                                  "tokenizer folder (or leave it unset: the actor's)")
+        _integer("models.seed", m.seed, 0)
+        _integer("generation.prompts_per_iteration", g.prompts_per_iteration, 1)
+        _integer("generation.max_new_tokens", g.max_new_tokens, 1)
+        _number("generation.temperature", g.temperature, above=0.0,
+                why="PPO needs the sampling distribution's logprobs")
+        _integer("generation.seed", g.seed, 0)
+        _integer("generation.bs_max", g.bs_max, 1)
+        if g.kv_capacity_tokens is not None:
+            _integer("generation.kv_capacity_tokens", g.kv_capacity_tokens, 1, unset=True)
+        _choice("generation.backend", g.backend, BACKENDS)
+        if g.vllm_engine_kwargs is not None and not isinstance(g.vllm_engine_kwargs, Mapping):
+            raise LoopConfigError(
+                f"generation.vllm_engine_kwargs: {g.vllm_engine_kwargs!r}; give a mapping of "
+                "AsyncEngineArgs fields, e.g. {gpu_memory_utilization: 0.3}")
+        for name in ("num_ppo_epochs", "num_mini_batches", "micro_batches"):
+            _integer(f"ppo.{name}", getattr(p, name), 1)
+        _number("ppo.learning_rate", p.learning_rate, above=0.0)
+        if p.critic_learning_rate is not None:
+            _number("ppo.critic_learning_rate", p.critic_learning_rate, above=0.0, unset=True)
+        _number("ppo.gamma", p.gamma, least=0.0, most=1.0)
+        _number("ppo.lam", p.lam, least=0.0, most=1.0)
+        _number("ppo.cliprange", p.cliprange, above=0.0)
+        if p.cliprange_value is not None:
+            _number("ppo.cliprange_value", p.cliprange_value, above=0.0, unset=True)
+        _number("ppo.kl_coef", p.kl_coef, least=0.0)
+        _choice("ppo.kl_mode", p.kl_mode, ("reward", "loss"))
+        _choice("ppo.kl_estimator", p.kl_estimator, ("k1", "k2", "k3"))
+        _boolean("ppo.whiten_advantages", p.whiten_advantages)
+        if p.max_grad_norm is not None:
+            _number("ppo.max_grad_norm", p.max_grad_norm, above=0.0, unset=True,
+                    why="a negative norm would flip the gradients' sign")
+        _number("ppo.weight_decay", p.weight_decay, least=0.0)
+        _boolean("fusion.inter", f.inter)
+        _boolean("fusion.intra", f.intra)
+        if f.rt != "auto":
+            if isinstance(f.rt, bool) or not isinstance(f.rt, (int, float)) or not math.isfinite(
+                    f.rt) or f.rt <= 0:
+                raise LoopConfigError(f"fusion.rt: {f.rt!r}; use 'auto', a fraction in (0, 1) "
+                                      "or a sample count")
+        _choice("fusion.mechanism", f.mechanism, MECHANISMS)
+        for name in ("pipeline_stages", "critic_stages"):
+            if getattr(f, name) is not None:
+                _integer(f"fusion.{name}", getattr(f, name), 1, unset=True)
+        if f.pipeline_stages is not None and f.pipeline_stages > self.world_size:
+            raise LoopConfigError(
+                f"fusion.pipeline_stages: {f.pipeline_stages} stages need as many ranks; "
+                f"world_size is {self.world_size}: use a divisor of it")
+        if f.critic_stages is not None and self.world_size > 1 and f.critic_stages > self.stages():
+            raise LoopConfigError(
+                f"fusion.critic_stages: {f.critic_stages} is more than the pipeline's "
+                f"{self.stages()} stages; use a divisor of {self.stages()}")
+        from ..schedule.solve import SOLVERS
+
+        _choice("fusion.solver", f.solver, SOLVERS)
+        _number("fusion.solver_time_limit", f.solver_time_limit, above=0.0)
+        _number("fusion.timeout_s", f.timeout_s, above=0.0)
+        for name in ("preset", "plan"):
+            v = getattr(pl, name)
+            if v is not None and not (isinstance(v, str) and v):
+                raise LoopConfigError(f"placement.{name}: {v!r}; give a name or leave it unset")
+        if pl.preset is not None:
+            from ..placement.presets import PRESET_NAMES
+
+            if pl.preset not in PRESET_NAMES:
+                raise LoopConfigError(f"placement.preset: unknown placement preset "
+                                      f"{pl.preset!r}; use one of {', '.join(PRESET_NAMES)}")
+        _number("placement.inference_fraction", pl.inference_fraction, above=0.0, below=1.0)
+        if pl.search is not None:
+            _number("placement.search", pl.search, above=0.0, unset=True,
+                    why="the search time in seconds")
+        from ..placement.hardware import HARDWARE
+
+        if not isinstance(pl.hardware, str) or pl.hardware.lower() not in HARDWARE:
+            raise LoopConfigError(f"placement.hardware: {pl.hardware!r}; use one of "
+                                  f"{sorted(HARDWARE)}")
+        _boolean("placement.profile", pl.profile)
 
     def offloaded(self, placement: Any = None) -> tuple[str, ...]:
         """The frozen models kept in host memory between their calls: ``placement.offload``
@@ -376,10 +503,92 @@ def _section(cls: type, name: str, value: Any) -> Any:
     unknown = sorted(set(value) - known)
     if unknown:
         raise LoopConfigError(f"{name}: unknown keys {unknown}; known: {sorted(known)}")
-    return cls(**value)
+    return cls(**coerce_numbers(cls, value))
 
 
-def _positive(name: str, value: Any, *, zero: bool = False) -> None:
-    ok = isinstance(value, int) and (value >= 0 if zero else value >= 1)
-    if not ok or (isinstance(value, float) and math.isnan(value)):
-        raise LoopConfigError(f"{name}: must be an integer >= {0 if zero else 1}, got {value!r}")
+def _text_hint(value: Any) -> str:
+    """The fix for a number that YAML 1.1 read as text (``1e-3``: no dot, so not a float)."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return ""
+        return " (a string: write the number without quotes, e.g. 1.0e-3 or 0.001)"
+    return ""
+
+
+def _integer(name: str, value: Any, least: int, *, unset: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        tail = " (or leave it unset)" if unset else ""
+        raise LoopConfigError(f"{name}: must be an integer >= {least}{tail}, got {value!r}"
+                              f"{_text_hint(value)}")
+
+
+def _number(name: str, value: Any, *, above: float | None = None, least: float | None = None,
+            most: float | None = None, below: float | None = None, unset: bool = False,
+            why: str = "") -> None:
+    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
+          and math.isfinite(value)
+          and (above is None or value > above) and (least is None or value >= least)
+          and (most is None or value <= most) and (below is None or value < below))
+    if ok:
+        return
+    if least is not None and most is not None:
+        want = f"a number in [{least:g}, {most:g}]"
+    elif above is not None and below is not None:
+        want = f"a number in ({above:g}, {below:g})"
+    elif above is not None:
+        want = f"a number > {above:g}"
+    else:
+        want = f"a number >= {least:g}"
+    tail = " (or leave it unset)" if unset else ""
+    why = f"; {why}" if why else ""
+    raise LoopConfigError(f"{name}: must be {want}{tail}, got {value!r}{_text_hint(value)}{why}")
+
+
+def _boolean(name: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise LoopConfigError(f"{name}: must be true or false, got {value!r}")
+
+
+def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise LoopConfigError(f"{name}: {value!r}; use one of {', '.join(choices)}")
+
+
+def _source(name: str, value: Any) -> None:
+    if isinstance(value, Mapping):
+        return   # its keys are checked with the model (models.check_sources)
+    if not isinstance(value, str) or not value:
+        extra = ", a built-in rule name" if name == "models.reward" else ""
+        raise LoopConfigError(
+            f"{name}: {value!r}; give a Hub id, a local model folder{extra} or a tiny config "
+            "such as {family: llama, layers: 2}")
+
+
+def _prompts_file(value: Any) -> None:
+    if not isinstance(value, str) or not value:
+        raise LoopConfigError(f"prompts: {value!r}; give the path of a prompt file (one prompt "
+                              "a line, or JSONL with a \"prompt\" field)")
+    p = Path(value)
+    if p.is_dir():
+        raise LoopConfigError(f"prompts: {p} is a directory; give a prompt file (one prompt a "
+                              "line, or JSONL with a \"prompt\" field)")
+    if not p.exists():
+        raise LoopConfigError(f"prompts: {p} does not exist; give a prompt file (one prompt a "
+                              "line, or JSONL with a \"prompt\" field), or remove the key to use "
+                              "the demo's prompts")
+
+
+def coerce_numbers(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
+    """YAML 1.1 reads ``1e-3`` (no dot) as the string ``"1e-3"``: a string that parses as a
+    number, in a field that holds floats, is that float."""
+    floats = {f.name for f in dataclasses.fields(cls) if "float" in str(f.type)}
+    out = dict(values)
+    for key, value in values.items():
+        if key in floats and isinstance(value, str) and value != "auto":
+            try:
+                out[key] = float(value)
+            except ValueError:
+                pass
+    return out

@@ -7,9 +7,11 @@ the same files for pretrained models), so no broadcast is needed before the firs
 from __future__ import annotations
 
 import copy
+import re
 import string
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -133,16 +135,206 @@ _SOURCE_KEYS = {"family": "kind", "hidden": "hidden_size", "layers": "layers", "
                 "intermediate_size": "intermediate_size", "max_positions": "max_positions"}
 
 
-def _config_of(src: Mapping[str, Any], vocab_size: int) -> tuple[Any, int]:
+def _config_of(src: Mapping[str, Any], vocab_size: int, name: str = "model config"
+               ) -> tuple[Any, int]:
+    check_source_keys(name, src)
     kw = dict(src)
     seed = int(kw.pop("seed", 0))
-    unknown = sorted(set(kw) - set(_SOURCE_KEYS))
-    if unknown:
-        raise LoopConfigError(f"model config: unknown keys {unknown}; known: "
-                              f"{sorted([*_SOURCE_KEYS, 'seed'])}")
     args = {"vocab_size": vocab_size, "max_positions": 2048,
             **{_SOURCE_KEYS[k]: v for k, v in kw.items()}}
     return tiny_config(**args), seed
+
+
+def check_source_keys(name: str, src: Mapping[str, Any]) -> None:
+    """A tiny config's keys and values, each named (``models.actor.layers``) with the fix."""
+    known = sorted([*_SOURCE_KEYS, "seed"])
+    unknown = sorted(set(src) - set(known))
+    if unknown:
+        raise LoopConfigError(f"{name}: unknown keys {unknown}; known: {known}")
+    fam = src.get("family", "llama")
+    if fam not in MODEL_FAMILIES:
+        raise LoopConfigError(f"{name}.family: unknown model family {fam!r}; supported: "
+                              f"{', '.join(MODEL_FAMILIES)}")
+    for key in ("hidden", "layers", "heads", "kv_heads", "vocab_size", "intermediate_size",
+                "max_positions"):
+        v = src.get(key)
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise LoopConfigError(f"{name}.{key}: must be an integer >= 1, got {v!r}")
+    seed = src.get("seed", 0)
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise LoopConfigError(f"{name}.seed: must be an integer >= 0, got {seed!r}")
+    tie = src.get("tie")
+    if tie is not None and not isinstance(tie, bool):
+        raise LoopConfigError(f"{name}.tie: must be true or false, got {tie!r}")
+    hidden, heads = src.get("hidden", 64), src.get("heads", 4)
+    kv = src.get("kv_heads", 2)
+    if hidden % heads:
+        raise LoopConfigError(f"{name}.heads: hidden {hidden} is not a multiple of heads "
+                              f"{heads}; use a divisor of {hidden}")
+    if fam != "gpt2" and heads % kv:
+        raise LoopConfigError(f"{name}.kv_heads: heads {heads} is not a multiple of kv_heads "
+                              f"{kv}; use a divisor of {heads}")
+
+
+# A Hub id: ``name`` or ``org/name`` (letters, digits, ``-_.``; huggingface_hub's rule).
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?$")
+
+LOCAL_FOLDER_FIX = ("make one with save_pretrained (docs/loop.md, 'A local model folder') or "
+                    "give a Hub id such as Qwen/Qwen2.5-0.5B-Instruct")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+_WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt")
+
+
+def source_config(name: str, src: ModelSource, vocab_size: int | None, *,
+                  weights: bool = True) -> Any:
+    """The ``transformers`` config of a model source, or :class:`LoopConfigError` naming the
+    field: a local folder that is missing or holds no ``config.json``, a Hub id that cannot be
+    read, a tiny config with bad keys; (``weights``) a folder without weight files. Nothing
+    but the config is read."""
+    from transformers import AutoConfig
+
+    if isinstance(src, Mapping):
+        return _config_of(src, vocab_size or 128, name)[0]
+    path = Path(src).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise LoopConfigError(f"{name}: {src} is a file; give the model's folder (the one "
+                                  "holding config.json)")
+        if not (path / "config.json").is_file():
+            raise LoopConfigError(f"{name}: {src} holds no config.json; {LOCAL_FOLDER_FIX}")
+        if weights and not any(any(path.glob(w)) for w in _WEIGHT_FILES):
+            raise LoopConfigError(f"{name}: {src} holds no weights ({', '.join(_WEIGHT_FILES)}); "
+                                  f"{LOCAL_FOLDER_FIX}")
+        try:
+            return AutoConfig.from_pretrained(str(path))
+        except (OSError, ValueError) as exc:
+            raise LoopConfigError(f"{name}: {src}/config.json cannot be read: "
+                                  f"{_first_line(exc)}") from None
+    if not _HUB_ID.match(src) or src.startswith((".", "~")):
+        raise LoopConfigError(f"{name}: {src}: no such directory; {LOCAL_FOLDER_FIX}")
+    try:
+        return AutoConfig.from_pretrained(src, local_files_only=True)   # in the Hub cache
+    except (OSError, ValueError):
+        pass
+    unreachable = _hub_unreachable()
+    if unreachable:
+        raise LoopConfigError(
+            f"{name}: {src}: no such directory, and not in the Hub cache while the Hub cannot "
+            f"be reached ({unreachable}); give an existing local folder (docs/loop.md, 'A local "
+            "model folder'), or run where the Hub is reachable once")
+    try:
+        return AutoConfig.from_pretrained(src)
+    except (OSError, ValueError) as exc:
+        raise LoopConfigError(
+            f"{name}: {src}: no such directory, and the Hub model cannot be read "
+            f"({_first_line(exc)}); give an existing local folder, or check the Hub id and the "
+            "network (offline: docs/loop.md, 'A local model folder')") from None
+
+
+def _hub_unreachable() -> str | None:
+    """Why the Hub cannot be asked (offline mode, a host that does not resolve), else None:
+    asking anyway costs half a minute of retries before the same answer."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        return "HF_HUB_OFFLINE is set"
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        socket.getaddrinfo(host, 443)
+    except OSError as exc:
+        return f"{host} does not resolve: {exc.strerror or exc}"
+    return None
+
+
+def check_sources(cfg: Any, placement: Any = None) -> None:
+    """Every model source of ``cfg`` (an ``RLHFConfig``) read and built on the meta device,
+    before any process starts: unknown keys, missing folders, unknown reward rules, a
+    decoder the pipeline cannot split, and no more pipeline stages than decoder layers
+    (``placement``: the resolved ``LoopPlacement``, whose plan sets the stages)."""
+    from transformers import AutoModelForCausalLM
+
+    from ..runtime.partition import num_layers
+
+    m = cfg.models
+    reward_rule = callable(m.reward) or (isinstance(m.reward, str)
+                                         and m.reward in BUILTIN_REWARDS)
+    if (isinstance(m.reward, str) and not reward_rule and "/" not in m.reward
+            and not Path(m.reward).expanduser().exists()):
+        raise LoopConfigError(
+            f"models.reward: {m.reward!r} is not a built-in rule ({', '.join(BUILTIN_REWARDS)}) "
+            "nor a local folder; give one of those rules, a reward model (a Hub id org/name or "
+            "a local folder), or (in Python) a function f(prompt, response) -> float")
+    sources = {"models.actor": m.actor, "models.critic": m.critic, "models.ref": m.ref,
+               "models.reward": None if reward_rule else m.reward}
+    if m.tokenizer is not None and not Path(m.tokenizer).expanduser().exists() and (
+            not _HUB_ID.match(m.tokenizer) or m.tokenizer.startswith((".", "~"))):
+        raise LoopConfigError(f"models.tokenizer: {m.tokenizer}: no such directory; give a "
+                              "local tokenizer folder or a Hub id (or leave it unset: the "
+                              "actor's)")
+    if isinstance(m.actor, str):
+        source_config("models.actor", m.actor, None)   # its folder before its tokenizer
+    try:
+        vocab = int(load_tokenizer(m).vocab_size)
+    except (OSError, ValueError) as exc:
+        field = "models.tokenizer" if m.tokenizer is not None else "models.actor"
+        raise LoopConfigError(f"{field}: its tokenizer cannot be loaded: "
+                              f"{_first_line(exc)}") from None
+    layers: dict[str, int] = {}
+    for name, src in sources.items():
+        if src is None:
+            continue
+        config = source_config(name, src, vocab)
+        try:
+            with torch.device("meta"):
+                model = AutoModelForCausalLM.from_config(config)
+        except Exception as exc:  # noqa: BLE001 - any build failure is this source's fault
+            raise LoopConfigError(f"{name}: transformers cannot build it: "
+                                  f"{_first_line(exc)}") from None
+        try:
+            layers[name] = num_layers(model, "actor")
+        except ValueError as exc:
+            raise LoopConfigError(f"{name}: {exc}") from None
+    _check_stages(cfg, placement, layers["models.actor"],
+                  layers.get("models.critic", layers["models.actor"]))
+
+
+def _check_stages(cfg: Any, placement: Any, actor_layers: int, critic_layers: int) -> None:
+    """No pipeline stage without a decoder layer: the stage count of the Actor and of the
+    Critic at most their layer counts, named by the field that sets it."""
+    if placement is not None:
+        wants = {"actor": (placement.calls["actor_train"].pp, actor_layers),
+                 "critic": (placement.calls["critic_train"].pp, critic_layers)}
+        for role, (pp, have) in wants.items():
+            if pp > have:
+                raise LoopConfigError(
+                    f"placement: the plan's {role} pipeline has {pp} stages but models.{role} "
+                    f"has {have} decoder layers; plan with pp <= {have}")
+        return
+    if cfg.world_size < 2:
+        return
+    n, f = cfg.stages(), cfg.fusion
+    field = "fusion.pipeline_stages" if f.pipeline_stages is not None else "world_size"
+    if n > actor_layers:
+        raise LoopConfigError(
+            f"{field}: {n} pipeline stages (one per rank unless fusion.pipeline_stages says "
+            f"otherwise) but models.actor has {actor_layers} decoder layers; use "
+            f"{field} <= {actor_layers}, or a deeper model")
+    cs = f.critic_stages or n
+    if cs > critic_layers:
+        field = "fusion.critic_stages" if f.critic_stages is not None else field
+        raise LoopConfigError(
+            f"{field}: the Critic's pipeline has {cs} stages but models.critic has "
+            f"{critic_layers} decoder layers; set fusion.critic_stages <= {critic_layers} "
+            f"(a divisor of {n}), or use a deeper critic")
 
 
 def causal_lm(src: ModelSource, vocab_size: int, seed: int = 0) -> nn.Module:
@@ -152,18 +344,56 @@ def causal_lm(src: ModelSource, vocab_size: int, seed: int = 0) -> nn.Module:
     if isinstance(src, Mapping):
         config, s = _config_of(src, vocab_size)
         return build_causal_lm(config, seed + s)
-    return AutoModelForCausalLM.from_pretrained(src, torch_dtype=torch.float32)
+    return AutoModelForCausalLM.from_pretrained(src, **_float32())
 
 
 def value_model(src: ModelSource, vocab_size: int, seed: int = 0) -> CriticModel:
     """A Critic/Reward: the source's decoder backbone and a freshly seeded value head."""
-    from transformers import AutoModel
-
     if isinstance(src, Mapping):
         config, s = _config_of(src, vocab_size)
         return build_value_model(config, seed + s)
-    backbone = AutoModel.from_pretrained(src, torch_dtype=torch.float32)
+    backbone = load_backbone(src)
     return seeded(seed, lambda: CriticModel(backbone))
+
+
+# The heads a causal LM or a reward model checkpoint holds beside its decoder backbone.
+_HEAD_KEYS = (r"^lm_head\.", r"^score\.")
+
+
+def load_backbone(src: str) -> nn.Module:
+    """The decoder backbone (``AutoModel``) of a checkpoint, in float32.
+
+    A causal LM's checkpoint also holds ``lm_head.weight`` (a reward model's, ``score``), which
+    the backbone has no place for: transformers would print a LOAD REPORT marking it
+    UNEXPECTED on every rank. Leaving the head out is what is meant here, so those keys are
+    declared expected for this load (any other mismatch is still reported)."""
+    from transformers import AutoConfig, AutoModel
+    from transformers.models.auto.modeling_auto import MODEL_MAPPING
+
+    cls = MODEL_MAPPING[type(AutoConfig.from_pretrained(src))]
+    before = cls.__dict__.get("_keys_to_ignore_on_load_unexpected", _UNSET)
+    cls._keys_to_ignore_on_load_unexpected = [*(getattr(cls, "_keys_to_ignore_on_load_unexpected",
+                                                        None) or []), *_HEAD_KEYS]
+    try:
+        return AutoModel.from_pretrained(src, **_float32())
+    finally:
+        if before is _UNSET:
+            del cls._keys_to_ignore_on_load_unexpected
+        else:
+            cls._keys_to_ignore_on_load_unexpected = before
+
+
+_UNSET = object()
+
+
+def _float32() -> dict[str, Any]:
+    """float32 weights, under the keyword this transformers takes (``dtype`` since 4.56;
+    ``torch_dtype`` before, deprecated after)."""
+    import transformers
+    from packaging.version import Version
+
+    new = Version(transformers.__version__) >= Version("4.56")
+    return {"dtype" if new else "torch_dtype": torch.float32}
 
 
 def model_configs(cfg: ModelsConfig) -> dict[str, Any]:

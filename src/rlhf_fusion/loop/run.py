@@ -30,12 +30,27 @@ ROW_KEYS = (("objective/scores", "reward", "{:.3f}"), ("objective/kl", "kl", "{:
 def load_prompts(path: str | Path) -> list[str]:
     """One prompt a line (``.txt``) or JSON lines with a ``"prompt"`` field (``.jsonl``)."""
     p = Path(path)
+    if p.is_dir():
+        raise LoopConfigError(f"prompts: {p} is a directory; give a prompt file")
     if not p.exists():
         raise LoopConfigError(f"prompts: {p} does not exist")
-    lines = [x for x in p.read_text().splitlines() if x.strip()]
-    if p.suffix == ".jsonl":
-        return [json.loads(x)["prompt"] for x in lines]
-    return lines
+    lines = [(n, x) for n, x in enumerate(p.read_text().splitlines(), 1) if x.strip()]
+    if p.suffix != ".jsonl":
+        return [x for _, x in lines]
+    out = []
+    for n, x in lines:
+        try:
+            row = json.loads(x)
+        except json.JSONDecodeError as exc:
+            raise LoopConfigError(f"prompts: {p} line {n}: not JSON ({exc.msg}); each line of a "
+                                  '.jsonl prompt file is an object like {"prompt": "..."}') from None
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str):
+            keys = sorted(row) if isinstance(row, dict) else type(row).__name__
+            raise LoopConfigError(f'prompts: {p} line {n}: no "prompt" text field (has {keys}); '
+                                  'each line of a .jsonl prompt file is an object like '
+                                  '{"prompt": "..."}')
+        out.append(row["prompt"])
+    return out
 
 
 def prompts_for(prompt_ids: Sequence[Sequence[int]], iteration: int, batch: int

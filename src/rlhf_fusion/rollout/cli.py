@@ -55,7 +55,7 @@ def add_plan_migration_parser(parser: argparse.ArgumentParser) -> argparse.Argum
     s = parser.add_argument_group("search")
     s.add_argument("--points", type=int, default=19, help="R_t values between 5%% and 95%%")
     s.add_argument("--trials", type=int, default=4, help="batches drawn per R_t")
-    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0, help="seed of the drawn batches")
     o = parser.add_argument_group("output")
     o.add_argument("--plot", type=Path, help="write the curve as a PNG")
     o.add_argument("--json", type=Path, help="write the curve and the choice as JSON")
