@@ -411,8 +411,9 @@ class PipelineEngine:
                 continue  # untied (the tied group exists all the same), or a middle stage
             record = getattr(self.runners[name], "tied", None)
             if record is not None and record.rows is not None and self._one_pipeline(name):
-                sum_in_device_order(record, is_last=stage.is_last, comm=self.comm,
-                                    group=tgroup, what=name)
+                sum_in_device_order(
+                    record, is_last=stage.is_last, comm=self.comm, group=tgroup, what=name
+                )
                 continue
             # Several pipelines: summed like every gradient held by several ranks.
             if record is not None:

@@ -66,8 +66,9 @@ class TiedGradient:
         self._handle.remove()
 
 
-def sum_in_device_order(tied: TiedGradient, *, is_last: bool, comm: PipelineComm,
-                        group: object, what: str) -> None:
+def sum_in_device_order(
+    tied: TiedGradient, *, is_last: bool, comm: PipelineComm, group: object, what: str
+) -> None:
     """Sum the tied weight's gradient over the first and the last stage of one pipeline (the
     two ranks of ``group``), as one device adds it; both ends hold the sum afterwards.
 
@@ -83,8 +84,10 @@ def sum_in_device_order(tied: TiedGradient, *, is_last: bool, comm: PipelineComm
         w.grad = torch.zeros_like(w)
     if is_last:
         if emb.shape[0] != mine.shape[0]:
-            raise RuntimeError(f"tied {what} embedding: {emb.shape[0]} micro-batches on the "
-                               f"first stage, {mine.shape[0]} on the last")
+            raise RuntimeError(
+                f"tied {what} embedding: {emb.shape[0]} micro-batches on the "
+                f"first stage, {mine.shape[0]} on the last"
+            )
         if mine.shape[0]:
             acc = mine[0] + emb[0]
             for i in range(1, mine.shape[0]):
