@@ -37,14 +37,23 @@ class TiedGradient:
         self.rows: Tensor | None = None
         self.key: tuple[int, int] | None = None
         self.parts: dict[tuple[int, int], Tensor] = {}
+        self.runs = 0
         self._handle = weight.register_hook(self._record)
 
     def track(self, micro_batches: Sequence[Mapping[str, Tensor]]) -> None:
-        """Start a step over ``micro_batches``: the rows are every token id they contain (a
-        superset of the rows any embedding gradient of the step touches)."""
+        """Start a run over ``micro_batches``: the rows are every token id they contain (a
+        superset of the rows any embedding gradient of the run touches).
+
+        Several runs accumulating into one sum (gradient accumulation across engine runs) are
+        not recorded: ``rows`` stays ``None`` and the sum is the plain one.
+        """
+        self.runs += 1
+        self.parts = {}
+        if self.runs > 1:
+            self.rows = None
+            return
         ids = torch.cat([mb["input_ids"].reshape(-1) for mb in micro_batches])
         self.rows = torch.unique(ids).to(self.weight.device)
-        self.parts = {}
 
     def _record(self, grad: Tensor) -> None:
         if self.rows is not None and self.key is not None:
@@ -60,7 +69,8 @@ class TiedGradient:
         return torch.stack([self.parts[k] for k in sorted(self.parts)])
 
     def done(self) -> None:
-        self.rows, self.key, self.parts = None, None, {}
+        """The sum is taken: the next run starts a new one."""
+        self.rows, self.key, self.parts, self.runs = None, None, {}, 0
 
     def remove(self) -> None:
         self._handle.remove()
