@@ -38,7 +38,7 @@ class TiedGradient:
         self.key: tuple[int, int] | None = None
         self.parts: dict[tuple[int, int], Tensor] = {}
         self.runs = 0
-        self._handle = weight.register_hook(self._record)
+        weight.register_hook(self._record)
 
     def track(self, micro_batches: Sequence[Mapping[str, Tensor]]) -> None:
         """Start a run over ``micro_batches``: the rows are every token id they contain (a
@@ -71,9 +71,6 @@ class TiedGradient:
     def done(self) -> None:
         """The sum is taken: the next run starts a new one."""
         self.rows, self.key, self.parts, self.runs = None, None, {}, 0
-
-    def remove(self) -> None:
-        self._handle.remove()
 
 
 def sum_in_device_order(
