@@ -26,6 +26,9 @@ from rlhf_fusion.rollout.inference import Experience  # noqa: E402
 from rlhf_fusion.triton_kernels import gae_reference  # noqa: E402
 
 ITERATIONS = 3
+# Layouts that sum gradients across processes (data-parallel replicas, Critic copies): the
+# bound docs/loop.md ("Exactness") documents. Pipeline layouts are compared with tol=0.
+DP_BOUND = 1e-5
 
 
 def tiny(world: int = 2, *, inter: bool = True, intra: bool = True, mechanism: str = "kv",
@@ -55,7 +58,7 @@ def merged(res: dict) -> dict[str, torch.Tensor]:
     return out
 
 
-def assert_same_run(a: dict, b: dict, *, tol: float = 1e-6) -> None:
+def assert_same_run(a: dict, b: dict, *, tol: float = DP_BOUND) -> None:
     assert len(a["experience_log"]) == len(b["experience_log"]) == ITERATIONS
     for it, (ea, eb) in enumerate(zip(a["experience_log"], b["experience_log"], strict=True)):
         assert [e.sample_id for e in ea] == list(range(16)), f"iteration {it}: exactly once"
@@ -63,8 +66,8 @@ def assert_same_run(a: dict, b: dict, *, tol: float = 1e-6) -> None:
             assert x.response_ids == y.response_ids, f"iteration {it} sample {x.sample_id}"
             for field in ("logprobs", "ref_logprobs", "values"):
                 d = (getattr(x, field) - getattr(y, field)).abs().max().item()
-                assert d <= tol, (it, x.sample_id, field, d)
-            assert abs(x.reward - y.reward) <= tol
+                assert d <= max(tol, 1e-12), (it, x.sample_id, field, d)
+            assert abs(x.reward - y.reward) <= max(tol, 1e-12)
     sa, sb = merged(a), merged(b)
     assert sa.keys() == sb.keys()
     worst = max((sa[k] - sb[k]).abs().max().item() for k in sa)
@@ -73,9 +76,20 @@ def assert_same_run(a: dict, b: dict, *, tol: float = 1e-6) -> None:
     assert a["history"][-1]["objective/kl"] > 0
 
 
+def one_thread_run(cfg: RLHFConfig) -> dict:
+    """A one-device run with the ranks' intra-op thread count (1): torch splits some
+    reductions by thread, and bit-identity compares runs that split them alike."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run(cfg)
+    finally:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def one_device():
-    return run(tiny(1, inter=False, intra=False))
+    return one_thread_run(tiny(1, inter=False, intra=False))
 
 
 @pytest.fixture(scope="module")
@@ -85,8 +99,8 @@ def serial2():
 
 def test_fused_equals_serial_equals_one_device(one_device, serial2):
     fused = run(tiny(2))
-    assert_same_run(fused, serial2)
-    assert_same_run(fused, one_device)
+    assert_same_run(fused, serial2, tol=0.0)
+    assert_same_run(fused, one_device, tol=0.0)
     # Inter-stage fusion ran: migration triggered at R_t in the first iteration (a quarter of
     # the batch before any length is seen); later ones migrate unless the simulator predicts
     # no gain (R_t = 0), and then the rollout is the serial one.
@@ -97,19 +111,19 @@ def test_fused_equals_serial_equals_one_device(one_device, serial2):
 
 
 def test_tokens_mechanism_and_fixed_rt_equal_serial(serial2):
-    assert_same_run(run(tiny(2, mechanism="tokens", rt=0.5)), serial2)
+    assert_same_run(run(tiny(2, mechanism="tokens", rt=0.5)), serial2, tol=0.0)
 
 
 def test_four_ranks_and_two_critic_copies_equal_one_device(one_device):
     assert_same_run(run(tiny(4, critic_stages=2)), one_device)
-    assert_same_run(run(tiny(4, mechanism="tokens", intra=False)), one_device)
+    assert_same_run(run(tiny(4, mechanism="tokens", intra=False)), one_device, tol=0.0)
 
 
 def test_two_pipeline_replicas_equal_one_device():
     """4 ranks as 2 data-parallel replicas of a 2-stage fused pipeline: each replica runs
     ``micro_batches`` of every mini-batch, so one device runs twice as many."""
     assert_same_run(run(tiny(4, pipeline_stages=2)),
-                    run(tiny(1, inter=False, intra=False, micro_batches=4)))
+                    one_thread_run(tiny(1, inter=False, intra=False, micro_batches=4)))
 
 
 def test_prompts_cycle_through_the_dataset():

@@ -20,7 +20,7 @@ needs_stock = pytest.mark.skipif(not TRL_HAS_PPO, reason="stock PPOTrainer exist
 PROMPTS = ["the cat sings", "a dog runs", "hello there", "go on now", "blue sky", "say it"]
 
 
-def _models(vocab: int, seed: int = 0):
+def _models(vocab: int, seed: int = 0, *, tie: bool = False):
     from transformers import LlamaConfig, LlamaForSequenceClassification, set_seed
 
     def cfg():
@@ -31,16 +31,19 @@ def _models(vocab: int, seed: int = 0):
     # A policy whose own sampling gives long-tailed lengths (so streaming and migration have
     # a tail to work on), then Critic and Reward.
     policy = tiny_causal_lm(vocab, seed, eos_bias=1.5)
+    if tie:  # input and output embeddings one tensor, as most small Hub models have them
+        policy.config.tie_word_embeddings = True
+        policy.lm_head.weight = policy.model.embed_tokens.weight
     set_seed(seed)
     return policy, LlamaForSequenceClassification(cfg()), LlamaForSequenceClassification(cfg())
 
 
 def _trainer(cls, tmp_path, *, steps: int = 3, batch: int = 4, config: dict | None = None,
-             **kw):
+             tie: bool = False, **kw):
     from datasets import Dataset
 
     tok = tiny_tokenizer()
-    policy, value, reward = _models(len(tok))
+    policy, value, reward = _models(len(tok), tie=tie)
     ds = Dataset.from_dict({"input_ids": [tok(p)["input_ids"] for p in PROMPTS * 4]})
     settings = dict(
         output_dir=str(tmp_path), per_device_train_batch_size=batch,
@@ -269,14 +272,15 @@ def test_vllm_backend_needs_a_checkpoint_path(tmp_path):
         tr.train()
 
 
-def _pipeline_run(rank: int, world: int, out_dir: str, stages: int, mini_batches: int):
+def _pipeline_run(rank: int, world: int, out_dir: str, stages: int, mini_batches: int,
+                  tie: bool = False):
     import pathlib
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), ACCELERATE_USE_CPU="true")
     fusion = FusionConfig(migrate=False, pipeline_stages=stages, solver="greedy")
-    tr = _trainer(FusedPPOTrainer, pathlib.Path(out_dir) / f"{stages}-{mini_batches}",
-                  steps=4, fusion=fusion, config={"num_mini_batches": mini_batches})
+    tr = _trainer(FusedPPOTrainer, pathlib.Path(out_dir) / f"{stages}-{mini_batches}-{tie}",
+                  steps=4, fusion=fusion, config={"num_mini_batches": mini_batches}, tie=tie)
     # accelerate ends gradient accumulation at a dataloader's last batch (every micro-batch
     # then steps); the pipeline steps every gradient_accumulation_steps micro-batches. Compare
     # the two on the accumulation both intend.
@@ -292,14 +296,16 @@ def _pipeline_run(rank: int, world: int, out_dir: str, stages: int, mini_batches
     return params, [(h["loss/policy_avg"], h["loss/value_avg"]) for h in logs]
 
 
-@pytest.mark.parametrize("mini_batches", [1, 2])
-def test_fused_pipeline_equals_data_parallel(tmp_path, mini_batches):
+@pytest.mark.parametrize(("mini_batches", "tie"), [(1, False), (2, False), (1, True)])
+def test_fused_pipeline_equals_data_parallel(tmp_path, mini_batches, tie):
     """Two processes as one Actor/Critic pipeline of 2 stages train like two DDP processes:
-    same parameters (1e-6) and losses, with one or several optimizer steps per batch."""
+    same parameters (1e-6) and losses, with one or several optimizer steps per batch, and
+    with the policy's input and output embeddings tied (the embedding on stage 0, the head
+    on stage 1)."""
     from rlhf_fusion.launch import run_ranks
 
-    piped = run_ranks(_pipeline_run, 2, str(tmp_path), 2, mini_batches, timeout=300)
-    ddp = run_ranks(_pipeline_run, 2, str(tmp_path), 1, mini_batches, timeout=300)
+    piped = run_ranks(_pipeline_run, 2, str(tmp_path), 2, mini_batches, tie, timeout=300)
+    ddp = run_ranks(_pipeline_run, 2, str(tmp_path), 1, mini_batches, tie, timeout=300)
     for a, b in zip(piped, ddp):
         assert _max_diff(a.value[0], b.value[0]) <= 1e-6
         for (pa, va), (pb, vb) in zip(a.value[1], b.value[1]):

@@ -49,7 +49,15 @@ from ..runtime.ppo import PPOConfig
 from . import advantages as adv
 from .config import RLHFConfig
 from .models import Models, build_models
-from .reallocate import broadcast_parameters, full_state, minimum_bytes, ownership, shapes_of
+from .reallocate import (
+    broadcast_parameters,
+    full_state,
+    minimum_bytes,
+    ownership,
+    shapes_of,
+    stage_parameters,
+    tied_aliases,
+)
 from .rt import RtPlanner, TimedBackend, timed_scoring
 
 
@@ -103,6 +111,8 @@ class PPOWorker:
         self.ppo = ppo_config(cfg)
         self.fused = None
         self._shapes = {role: shapes_of(getattr(self.models, role)) for role in ROLES}
+        # Read from the whole models: training cuts them into stages in place.
+        self._tied = {role: tied_aliases(getattr(self.models, role)) for role in ROLES}
         self._setup_rollout()
         self._setup_offload()
         self._setup_training()
@@ -214,7 +224,8 @@ class PPOWorker:
                 self._load(role, self._sync_dst(role),
                            dict(getattr(self.models, role).named_parameters()))
             return {"realloc/bytes": 0.0, "realloc/min_bytes": 0.0}
-        stage_params = {r: dict(s.module.named_parameters()) for r, s in self.fused.stages.items()}
+        stage_params = {r: stage_parameters(s.module, self._tied[r])
+                        for r, s in self.fused.stages.items()}
         if self._owners is None:
             canonical = {r: self._canonical(r) for r in stage_params}
             self._owners = ownership(stage_params, canonical)
@@ -494,7 +505,7 @@ class PPOWorker:
             return out
         for role, st in self.fused.stages.items():
             if self._canonical(role):
-                for k, v in st.module.named_parameters():
+                for k, v in stage_parameters(st.module, self._tied[role]).items():
                     out[f"{role}.{k}"] = v.detach().clone()
         return out
 

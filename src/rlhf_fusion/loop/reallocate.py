@@ -16,6 +16,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from ..runtime.checkpoint import aliases
+
 
 @dataclass(frozen=True)
 class Ownership:
@@ -29,9 +31,10 @@ def ownership(stage_params: Mapping[str, Mapping[str, Tensor]],
               canonical: Mapping[str, bool]) -> dict[str, Ownership]:
     """Who sends what: collective over the default group (one ``all_gather_object``).
 
-    ``stage_params``: this rank's ``{model: {name: parameter}}``; ``canonical``: whether this
-    rank is the canonical holder of its stage of each model. A name two owners report (weights
-    tied across stages) is sent by the first.
+    ``stage_params``: this rank's ``{model: {name: parameter}}`` under the whole model's
+    canonical names (:func:`stage_parameters`); ``canonical``: whether this rank is the
+    canonical holder of its stage of each model. A name two owners report is sent by the
+    first.
     """
     mine = {m: list(ps) for m, ps in stage_params.items() if canonical.get(m)}
     world = dist.get_world_size()
@@ -92,10 +95,7 @@ def minimum_bytes(own: Ownership, shapes: Mapping[str, tuple[torch.Size, torch.d
 
 def full_state(model: nn.Module, params: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """``model``'s state dict with every parameter (tied aliases too) taken from ``params``."""
-    first: dict[int, str] = {}
-    alias: dict[str, str] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        alias[name] = first.setdefault(id(p), name)
+    alias = aliases(model)
     state = model.state_dict()
     missing = [n for n in set(alias.values()) if n not in params]
     if missing:
@@ -112,6 +112,17 @@ def shapes_of(model: nn.Module) -> dict[str, tuple[torch.Size, torch.dtype]]:
             for n, p in model.named_parameters()}
 
 
-def stage_parameters(module: nn.Module) -> dict[str, Tensor]:
-    return dict(module.named_parameters())
+def tied_aliases(model: nn.Module) -> frozenset[str]:
+    """The names under which a whole ``model`` reaches a tensor it also reaches under an
+    earlier name (``lm_head.weight`` of a model with tied input/output embeddings). Read it
+    from the whole model: a pipeline stage that dropped the embedding reports its LM head
+    under the alias."""
+    return frozenset(n for n, c in aliases(model).items() if n != c)
+
+
+def stage_parameters(module: nn.Module, tied: frozenset[str]) -> dict[str, Tensor]:
+    """A stage's parameters under the whole model's canonical names: a tied alias (the LM
+    head on the last stage) is left out, because the stage holding the embedding sends that
+    tensor and both ends hold the same values once their gradients are summed."""
+    return {n: p for n, p in module.named_parameters() if n not in tied}
 

@@ -23,6 +23,7 @@ from .comm import PipelineComm, Transfer
 from .errors import PipelineError, format_stream_grid
 from .partition import PipelineStage
 from .plan import PipelinePlan, Resident
+from .tied import TiedGradient, sum_in_device_order
 
 LossFn = Callable[[Tensor, Mapping[str, Tensor]], "tuple[Tensor, Mapping[str, Tensor]]"]
 
@@ -68,6 +69,9 @@ class TrainStageRunner:
         self._saved: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
         self._denominator = 1.0
         self._stats: dict[str, Tensor] = {}
+        weight = stage.tied_weight()
+        # This stage's part of a weight tied to another stage, per micro-batch (see .tied).
+        self.tied = TiedGradient(weight) if weight is not None else None
 
     def begin_step(self, loss_denominator: float) -> None:
         if self._saved:
@@ -120,10 +124,16 @@ class TrainStageRunner:
 
     def backward(self, key, grad):  # noqa: ANN001, ANN201
         inp, out = self._saved.pop(key)
-        if grad is None:
-            out.backward()
-        else:
-            torch.autograd.backward(out, grad)
+        if self.tied is not None:
+            self.tied.key = key
+        try:
+            if grad is None:
+                out.backward()
+            else:
+                torch.autograd.backward(out, grad)
+        finally:
+            if self.tied is not None:
+                self.tied.key = None
         return None if inp is None else inp.grad
 
     def step_stats(self) -> dict[str, float]:
@@ -244,6 +254,9 @@ class PipelineEngine:
         denom = loss_denominator or float(self.plan.micro_batches * self.plan.replicas)
         for r in self.runners.values():
             r.begin_step(denom)
+            tied = getattr(r, "tied", None)
+            if tied is not None and micro_batches is not None:
+                tied.track(micro_batches)
         tr = StepTrace(start=time.perf_counter()) if self.trace_enabled else None
         self.comm.post_receives(stream)
         inbox: dict[tuple[str, str, int, int], Tensor] = {}
@@ -394,16 +407,26 @@ class PipelineEngine:
                     for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
                         g.copy_(synced)
             tgroup = self.comm.tied_groups[name]
-            if tgroup is not None and (res.stage == 0 or res.stage == res.num_stages - 1):
-                if tied is not None:
-                    if tied.grad is None:
-                        tied.grad = torch.zeros_like(tied)
-                    self.comm.all_reduce(
-                        tied.grad, tgroup, f"all-reducing the tied {name} embedding gradient"
-                    )
-                else:
-                    # Untied model: the tied group still exists; nothing to reduce.
-                    pass
+            if tied is None or tgroup is None:
+                continue  # untied (the tied group exists all the same), or a middle stage
+            record = getattr(self.runners[name], "tied", None)
+            if record is not None and record.rows is not None and self._one_pipeline(name):
+                sum_in_device_order(
+                    record, is_last=stage.is_last, comm=self.comm, group=tgroup, what=name
+                )
+                continue
+            # Several pipelines: summed like every gradient held by several ranks.
+            if record is not None:
+                record.done()
+            if tied.grad is None:
+                tied.grad = torch.zeros_like(tied)
+            self.comm.all_reduce(
+                tied.grad, tgroup, f"all-reducing the tied {name} embedding gradient"
+            )
+
+    def _one_pipeline(self, name: str) -> bool:
+        """Whether one pipeline holds ``name`` (no data-parallel replicas or copies of it)."""
+        return len(self.plan.stage_ranks(self.plan.model_names.index(name), 0)) == 1
 
     def _norm_params(self, name: str) -> list[nn.Parameter]:
         """Parameters of this rank's stage that count toward the model's global norm."""

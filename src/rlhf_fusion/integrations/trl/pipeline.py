@@ -21,7 +21,14 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ...loop.reallocate import broadcast_parameters, full_state, ownership, shapes_of
+from ...loop.reallocate import (
+    broadcast_parameters,
+    full_state,
+    ownership,
+    shapes_of,
+    stage_parameters,
+    tied_aliases,
+)
 from ...runtime.fused import FusedRank, forward_backward, fused_problem, optimizer_step
 from ...runtime.fused import partition_rank as _partition_rank
 from .experience import PPOExperience, policy_stats, policy_terms, value_terms
@@ -117,6 +124,7 @@ class PipelinedPPO:
         # Whole copies for generation and scoring; training owns the originals, cut in place.
         self.whole = {"actor": copy.deepcopy(policy), "critic": copy.deepcopy(value_model)}
         self._shapes = {role: shapes_of(m) for role, m in self.whole.items()}
+        self._tied = {role: tied_aliases(m) for role, m in self.whole.items()}
         # Every process's micro-batches of one mini-batch go through its replica's pipeline.
         micro = stages * (args.local_mini_batch_size // args.per_device_train_batch_size)
         problem = fused_problem(stage_groups=stages, micro_batches=micro)
@@ -158,7 +166,7 @@ class PipelinedPPO:
     @torch.no_grad()
     def sync_whole_copies(self) -> None:
         """Training layout -> the whole copies (ReaLHF §6 reallocation)."""
-        stage_params = {r: dict(s.module.named_parameters())
+        stage_params = {r: stage_parameters(s.module, self._tied[r])
                         for r, s in self.fused.stages.items()}
         if self._owners is None:
             self._owners = ownership(stage_params,
