@@ -289,10 +289,9 @@ def test_vllm_generation_backend_in_the_loop(tmp_path, monkeypatch):
     assert args["logprobs_mode"] == "processed_logprobs" and args["enable_sleep_mode"]
     assert sorted(e.sample_id for e in result.experiences) == list(range(16))
     assert len(engine.requests) == 16
-    assert engine.rpc[0] == ("rlhf_fusion_seed_by_position", ())
-    method, (named,) = engine.rpc[1]
-    assert method == "rlhf_fusion_load_weights"
-    assert {n for n, _ in named} == {n for n, _ in worker.models.actor.named_parameters()}
+    assert [m for m, _ in engine.rpc[:2]] == ["rlhf_fusion_seed_by_position",
+                                              "rlhf_fusion_load_weights"]
+    assert set(engine.loaded) == {n for n, _ in worker.models.actor.named_parameters()}
     with pytest.raises(LoopConfigError, match="vLLM engines export no KV cache"):
         bad = tiny(2, mechanism="kv")
         bad.models = ModelsConfig(actor=str(model))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
+import torch
 
 from rlhf_fusion.rollout import (
     CapabilityError,
@@ -102,12 +103,12 @@ def test_abort_kv_import_weights_sleep():
     b.abort([1])
     assert b.unfinished() == [0]
     with pytest.raises(RolloutError, match="unfinished"):
-        b.update_weights({"w": 1})
+        b.update_weights({"w": torch.ones(2)})
     with pytest.raises(RolloutError, match="unfinished"):
         b.sleep()
     assert [r.sample_id for r in b.results()] == [0]
-    b.update_weights({"w": 1})
-    assert b.engine.rpc[-1] == ("rlhf_fusion_load_weights", ([("w", 1)],))
+    b.update_weights({"w": torch.ones(2)})
+    assert b.engine.rpc[-1][0] == "rlhf_fusion_load_weights" and b.engine.loaded == ["w"]
     b.sleep()
     assert b.engine.asleep
     with pytest.raises(RolloutError, match="asleep"):

@@ -250,11 +250,9 @@ def test_vllm_backend_gets_every_query_and_the_policy_weights(tmp_path, monkeypa
     assert all(p.max_tokens == 32 and p.temperature == pytest.approx(0.7)
                for _, _, p in engine.requests)
     # The policy's weights were pushed before generating, under their HF names.
-    assert engine.rpc[0] == ("rlhf_fusion_seed_by_position", ())
-    method, (named,) = engine.rpc[1]
-    assert method == "rlhf_fusion_load_weights"
-    assert [n for n, _ in named] == list(tr.accelerator.unwrap_model(tr.model).policy
-                                          .state_dict())
+    assert [m for m, _ in engine.rpc[:2]] == ["rlhf_fusion_seed_by_position",
+                                              "rlhf_fusion_load_weights"]
+    assert engine.loaded == list(tr.accelerator.unwrap_model(tr.model).policy.state_dict())
 
 
 def _prompt_ids() -> list[tuple[int, ...]]:

@@ -87,11 +87,39 @@ def _allow_engine_children() -> None:
         proc.daemon = False
 
 
+def pack_weights(named: Iterable[tuple[str, Any]]) -> bytes:
+    """Named tensors as one ``torch.save`` payload: ``collective_rpc`` arguments cross to the
+    engine process through msgpack, which turns tensors nested in lists into plain lists."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save([(str(n), t.detach().cpu()) for n, t in named], buf)
+    return buf.getvalue()
+
+
+def unpack_weights(payload: bytes) -> list[tuple[str, Any]]:
+    import io
+
+    import torch
+
+    return [tuple(x) for x in torch.load(io.BytesIO(payload), weights_only=True)]
+
+
 class WorkerExtension:
     """Mixed into vLLM workers (``worker_extension_cls``); reached by ``collective_rpc``."""
 
-    def rlhf_fusion_load_weights(self, named_tensors: list[tuple[str, Any]]) -> None:
-        self.model_runner.model.load_weights(weights=named_tensors)  # type: ignore[attr-defined]
+    def rlhf_fusion_load_weights(self, payload: bytes) -> None:
+        """Load :func:`pack_weights`' payload by Hugging Face parameter names."""
+        weights = unpack_weights(payload)
+        reload = getattr(self, "reload_weights", None)
+        if reload is not None:
+            # vLLM's in-place reload undoes and redoes the post-load processing (the CPU
+            # backend repacks linear weights, which drops their loaders).
+            reload(weights_iterator=iter(weights))
+        else:
+            self.model_runner.model.load_weights(weights=weights)  # type: ignore[attr-defined]
 
     def rlhf_fusion_seed_by_position(self) -> bool:
         """Reseed every keyed request's generator before each sampling step from (seed, sample,
@@ -434,8 +462,8 @@ class VLLMBackend:
         if rpc is None:
             raise CapabilityError("this vLLM engine has no collective_rpc; upgrade vLLM "
                                   "(>= 0.8) to update weights in place")
-        named = list(weights.items() if isinstance(weights, Mapping) else weights)
-        self._call(rpc, "rlhf_fusion_load_weights", args=(named,), timeout=600)
+        named = weights.items() if isinstance(weights, Mapping) else weights
+        self._call(rpc, "rlhf_fusion_load_weights", args=(pack_weights(named),), timeout=600)
 
     def sleep(self) -> None:
         """Free the engine's KV cache (and offload its weights) while training runs; on an

