@@ -449,6 +449,8 @@ class PPOWorker:
     def close(self) -> None:
         if self.fused is not None:
             self.fused.close()
+        if hasattr(self.backend, "close"):  # a vLLM engine's processes end with it
+            self.backend.close()
 
 
 def trl_training_metrics(means: dict[str, float]) -> dict[str, float]:

@@ -211,6 +211,9 @@ class VLLMBackend:
             _allow_engine_children()
             engine = vllm.AsyncLLMEngine.from_engine_args(
                 vllm.AsyncEngineArgs(model=model, **kwargs))
+            self._owns_engine = True
+        else:
+            self._owns_engine = False
         if sampling_params_cls is None:
             sampling_params_cls = _import_vllm().SamplingParams
         self.engine = engine
@@ -262,6 +265,9 @@ class VLLMBackend:
         return asyncio.run_coroutine_threadsafe(run(), self._loop).result(timeout)
 
     def close(self) -> None:
+        """Stop the event loop thread, and the engine's processes if this backend built it."""
+        if self._owns_engine and callable(getattr(self.engine, "shutdown", None)):
+            self.engine.shutdown()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
 
