@@ -206,8 +206,9 @@ class VLLMBackend:
             if kwargs["enable_sleep_mode"] and not can_sleep:
                 raise rollout_types.RolloutConfigError(
                     "enable_sleep_mode=True, but vLLM has no sleep mode on this platform "
-                    "(CPU); drop it from the engine kwargs: the backend then keeps the KV pool "
-                    "between rollouts")
+                    "(vllm.platforms.current_platform.is_sleep_mode_available() is False, as "
+                    "on CPU); drop it from the engine kwargs: the backend then keeps the KV "
+                    "pool between rollouts")
             _allow_engine_children()
             engine = vllm.AsyncLLMEngine.from_engine_args(
                 vllm.AsyncEngineArgs(model=model, **kwargs))

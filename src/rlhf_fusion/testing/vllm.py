@@ -35,13 +35,9 @@ from typing import Any
 import numpy as np
 
 from ..rollout.sampling import derive_seed, keyed_uniform
-from ..rollout.vllm_backend import unpack_weights
+from ..rollout.vllm_backend import POSITION_KEY, unpack_weights
 
 __all__ = ["POSITION_KEY", "FakeAsyncLLM", "FakeSamplingParams", "fake_vllm_module"]
-
-# SamplingParams.extra_args key of our worker extension's position seeding (seed, sample id,
-# tokens generated before this request): the same name as in rollout.vllm_backend.
-POSITION_KEY = "rlhf_fusion_position_key"
 
 SLEEP_UNSUPPORTED = "Sleep mode is not supported on current platform."  # vLLM's own message
 
