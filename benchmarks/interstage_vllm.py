@@ -82,8 +82,8 @@ def worker(rank: int, world: int, args: argparse.Namespace, model_dir: str,
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=32)
-    p.add_argument("--median", type=float, default=24)
-    p.add_argument("--sigma", type=float, default=1.1)
+    p.add_argument("--median", type=float, default=16)
+    p.add_argument("--sigma", type=float, default=1.3)
     p.add_argument("--max-len", type=int, default=480)
     p.add_argument("--prompt-len", type=int, default=16)
     p.add_argument("--vocab", type=int, default=64)
