@@ -252,3 +252,66 @@ def test_trl_fused_ppo_trains_with_a_real_vllm_engine(tmp_path):
 class _Exp:
     def __init__(self, prompt_ids, response_ids) -> None:
         self.prompt_ids, self.response_ids = prompt_ids, response_ids
+
+
+def test_trl_fused_grpo_generates_with_a_real_vllm_engine(tmp_path):
+    """``FusedGRPOTrainer(fusion=FusionConfig(backend="vllm"))``: completions stream from a
+    real engine (every prompt of every round once, TRL's budget and temperature), training
+    runs on them, and the engine samples from the weights the trainer pushes."""
+    pytest.importorskip("trl")
+    from trl import GRPOConfig
+
+    from rlhf_fusion.integrations.trl import FusedGRPOTrainer, FusionConfig
+    from rlhf_fusion.rollout import vllm_backend
+    from rlhf_fusion.rollout.types import SampleSpec
+    from rlhf_fusion.testing.trl import (
+        length_reward,
+        tiny_model_dir,
+        tiny_prompt_dataset,
+        tiny_tokenizer,
+        vowel_reward,
+    )
+
+    path = tiny_model_dir(tmp_path / "policy", hidden_size=256, eos_bias=1.5)
+    args = GRPOConfig(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4,
+                      num_generations=4, max_completion_length=16, max_steps=2,
+                      learning_rate=1e-2, beta=0.0, bf16=False, use_cpu=True, report_to=[],
+                      logging_steps=1, seed=0, save_strategy="no", disable_tqdm=True,
+                      temperature=0.9)
+    rounds: list[list[SampleSpec]] = []
+    real_submit = vllm_backend.VLLMBackend.submit
+
+    def spy(self, specs):
+        rounds.append(list(specs))
+        return real_submit(self, specs)
+
+    tr = FusedGRPOTrainer(model=path, reward_funcs=[vowel_reward, length_reward], args=args,
+                          train_dataset=tiny_prompt_dataset(None, 16),
+                          processing_class=tiny_tokenizer(),
+                          fusion=FusionConfig(backend="vllm", migrate=False,
+                                              vllm_engine_kwargs=dict(ENGINE)))
+    vllm_backend.VLLMBackend.submit = spy
+    try:
+        tr.train()
+    finally:
+        vllm_backend.VLLMBackend.submit = real_submit
+    backend = tr._fusion_backend
+    try:
+        assert isinstance(backend, vllm_backend.VLLMBackend)
+        assert len(rounds) >= 2 and [h for h in tr.state.log_history if "reward" in h]
+        for specs in rounds:
+            assert len({s.sample_id for s in specs}) == len(specs) == 4
+            assert all(s.max_new_tokens == 16 and s.temperature == pytest.approx(0.9)
+                       for s in specs)
+        trained = tr.accelerator.unwrap_model(tr.model)
+        with torch.no_grad():
+            backend.update_weights(trained.state_dict())
+        spec = SampleSpec(0, tuple(tiny_tokenizer()("hello")["input_ids"]), max_new_tokens=16,
+                          seed=1, temperature=0.9)
+        backend.submit([spec])
+        (res,) = list(backend.results())
+        ref = policy_logprobs(trained, [_Exp(spec.prompt_ids, res.token_ids)], 0.9)[0]
+        assert (torch.tensor(res.logprobs, dtype=torch.float64) - ref).abs().max() \
+            <= LOGPROB_TOL
+    finally:
+        backend.close()
