@@ -284,14 +284,14 @@ def test_bad_yaml_fails_with_the_field_named(tmp_path, capsys):
 def test_vllm_generation_backend_in_the_loop(tmp_path, monkeypatch):
     """backend: vllm builds one engine per rank from the actor checkpoint, pushes the Actor's
     weights by name before generating, sleeps it while training and sends every prompt once
-    (against a fake engine with vLLM's async semantics: vLLM needs CUDA)."""
+    (against the fake engine; tests/test_vllm_real.py runs the loop on real vLLM)."""
     from rlhf_fusion.loop.iteration import PPOWorker
     from rlhf_fusion.rollout import vllm_backend
-    from rlhf_fusion.testing.vllm import FakeAsyncEngine, fake_vllm_module
+    from rlhf_fusion.testing.vllm import FakeAsyncLLM, fake_vllm_module
 
     model = tmp_path / "tiny-model"
     save_tiny_hub_model(model)
-    engine = FakeAsyncEngine(vocab=36)
+    engine = FakeAsyncLLM(vocab=36)
     module = fake_vllm_module(engine)
     monkeypatch.setattr(vllm_backend, "_import_vllm", lambda: module)
     cfg = tiny(1, inter=False, intra=False)
@@ -308,9 +308,9 @@ def test_vllm_generation_backend_in_the_loop(tmp_path, monkeypatch):
     assert args["logprobs_mode"] == "processed_logprobs" and args["enable_sleep_mode"]
     assert sorted(e.sample_id for e in result.experiences) == list(range(16))
     assert len(engine.requests) == 16
-    method, (named,) = engine.rpc[0]
-    assert method == "rlhf_fusion_load_weights"
-    assert {n for n, _ in named} == {n for n, _ in worker.models.actor.named_parameters()}
+    assert [m for m, _ in engine.rpc[:2]] == ["rlhf_fusion_seed_by_position",
+                                              "rlhf_fusion_load_weights"]
+    assert set(engine.loaded) == {n for n, _ in worker.models.actor.named_parameters()}
     with pytest.raises(LoopConfigError, match="vLLM engines export no KV cache"):
         bad = tiny(2, mechanism="kv")
         bad.models = ModelsConfig(actor=str(model))

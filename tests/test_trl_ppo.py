@@ -234,9 +234,9 @@ def test_example_runs_on_a_local_model_dir(tmp_path):
 
 def test_vllm_backend_gets_every_query_and_the_policy_weights(tmp_path, monkeypatch):
     from rlhf_fusion.rollout import vllm_backend
-    from rlhf_fusion.testing.vllm import FakeAsyncEngine, fake_vllm_module
+    from rlhf_fusion.testing.vllm import FakeAsyncLLM, fake_vllm_module
 
-    engine = FakeAsyncEngine(vocab=len(tiny_tokenizer()))
+    engine = FakeAsyncLLM(vocab=len(tiny_tokenizer()))
     module = fake_vllm_module(engine)
     monkeypatch.setattr(vllm_backend, "_import_vllm", lambda: module)
     tr = _trainer(FusedPPOTrainer, tmp_path, steps=1,
@@ -253,10 +253,9 @@ def test_vllm_backend_gets_every_query_and_the_policy_weights(tmp_path, monkeypa
     assert all(p.max_tokens == 32 and p.temperature == pytest.approx(0.7)
                for _, _, p in engine.requests)
     # The policy's weights were pushed before generating, under their HF names.
-    method, (named,) = engine.rpc[0]
-    assert method == "rlhf_fusion_load_weights"
-    assert [n for n, _ in named] == list(tr.accelerator.unwrap_model(tr.model).policy
-                                          .state_dict())
+    assert [m for m, _ in engine.rpc[:2]] == ["rlhf_fusion_seed_by_position",
+                                              "rlhf_fusion_load_weights"]
+    assert engine.loaded == list(tr.accelerator.unwrap_model(tr.model).policy.state_dict())
 
 
 def _prompt_ids() -> list[tuple[int, ...]]:

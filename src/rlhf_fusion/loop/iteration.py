@@ -191,7 +191,8 @@ class PPOWorker:
         if g.backend == "vllm":
             from ..rollout.vllm_backend import VLLMBackend
 
-            kwargs = {"seed": g.seed, "max_num_seqs": g.bs_max, "enable_sleep_mode": True,
+            # Sleep mode where the platform has it: VLLMBackend decides (not on CPU).
+            kwargs = {"seed": g.seed, "max_num_seqs": g.bs_max,
                       # PPO's old logprobs are under the sampling temperature.
                       "logprobs_mode": "processed_logprobs", **(g.vllm_engine_kwargs or {})}
             return VLLMBackend(model=str(self.cfg.models.actor), engine_kwargs=kwargs,
@@ -531,6 +532,8 @@ class PPOWorker:
     def close(self) -> None:
         if self.fused is not None:
             self.fused.close()
+        if hasattr(self.backend, "close"):  # a vLLM engine's processes end with it
+            self.backend.close()
 
 
 def trl_training_metrics(means: dict[str, float]) -> dict[str, float]:

@@ -1,6 +1,7 @@
 """CPU test support for the OpenRLHF integration: stub ``vllm``/``flash_attn``/``deepspeed``
-modules (OpenRLHF imports them at module level; none installs without CUDA), a fake vLLM async
-engine with ``AsyncLLM``'s semantics, a toy tokenizer, and a setup hook that installs the stubs
+modules (OpenRLHF imports them at module level; none installs without CUDA) whose engine is
+the project's one fake vLLM engine (:class:`rlhf_fusion.testing.vllm.FakeAsyncLLM`, kept honest
+by the vLLM contract tests), a toy tokenizer, and a setup hook that installs the stubs
 before the real one (for Ray workers in tests).
 
 The stubs carry exactly the names OpenRLHF 0.11.2 imports on the PPO path; anything else raises
@@ -9,16 +10,16 @@ an AttributeError naming the stub, so a new dependency shows up as a clear failu
 
 from __future__ import annotations
 
-import asyncio
-import hashlib
 import importlib.machinery
 import importlib.util
 import sys
 import time
 import types
 import uuid
-from dataclasses import dataclass
 from typing import Any
+
+from ...testing.vllm import FakeAsyncLLM
+from ...testing.vllm import FakeSamplingParams as SamplingParams
 
 __all__ = ["CharTokenizer", "FakeAsyncLLM", "FakeModel", "fake_model_actor_class",
            "install_cpu_stubs", "setup_worker_with_cpu_stubs"]
@@ -46,23 +47,6 @@ def _module(name: str, **attrs: Any) -> types.ModuleType:
         parent, _, child = name.rpartition(".")
         setattr(sys.modules[parent], child, mod)
     return mod
-
-
-@dataclass
-class SamplingParams:
-    """The fields of vllm.SamplingParams that OpenRLHF and the integration set."""
-
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    seed: int | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    skip_special_tokens: bool = True
-    logprobs: int | None = None
 
 
 def _engine_args(*args: Any, **kwargs: Any) -> dict[str, Any]:
@@ -118,121 +102,6 @@ def setup_worker_with_cpu_stubs() -> None:
     from .hook import setup_worker
 
     setup_worker()
-
-
-# -- a fake engine with vLLM AsyncLLM's semantics -------------------------------------------------
-
-
-@dataclass
-class _Logprob:
-    logprob: float
-
-
-@dataclass
-class _Completion:
-    index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[dict[int, _Logprob]] | None
-    finish_reason: str | None
-    cumulative_logprob: float | None = None
-
-
-@dataclass
-class _RequestOutput:
-    request_id: str
-    prompt_token_ids: list[int]
-    outputs: list[_Completion]
-    finished: bool
-
-
-def _h(*parts: int) -> int:
-    return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=8).digest(), "little")
-
-
-class _OutputProcessor:
-    def __init__(self, engine: FakeAsyncLLM) -> None:
-        self.engine = engine
-
-    def get_num_unfinished_requests(self) -> int:
-        return len(self.engine.running)
-
-
-class FakeAsyncLLM:
-    """One token per tick, an async stream of cumulative outputs per request, ``abort`` ending
-    the stream. The next token is a function of the whole context (prompt + tokens so far) and,
-    at temperature > 0, of the request's seed (or the engine's RNG when the request has none):
-    greedy decoding continues a resubmitted prompt + generated ids exactly as the unmoved
-    request, as a real model does. ``eos`` stops a request (lengths vary, there is a tail).
-    """
-
-    def __init__(self, vocab: int = 50, eos: int = 0, tick_s: float = 0.002,
-                 seed: int | None = None) -> None:
-        self.vocab, self.eos, self.tick_s = vocab, eos, tick_s
-        self.seed = 0 if seed is None else int(seed)
-        self.running: set[str] = set()
-        self.aborted: set[str] = set()
-        self.submitted: list[tuple[str, list[int], int]] = []  # request id, prompt, max_tokens
-        self.output_processor = _OutputProcessor(self)
-        self._draws = 0
-
-    @classmethod
-    def from_model_name(cls, model: str, seed: int | None = None) -> FakeAsyncLLM:
-        """``fake:vocab=50,eos=0,tick_s=0.002``: the engine's settings travel as the model name
-        through OpenRLHF's own engine arguments."""
-        _, _, spec = model.partition(":")
-        kw = {k: (float(v) if k == "tick_s" else int(v))
-              for k, v in (p.split("=") for p in spec.split(",") if p)}
-        return cls(seed=seed, **kw)
-
-    async def is_sleeping(self) -> bool:
-        return False
-
-    async def generate(self, prompt: dict[str, Any], params: Any, request_id: str):
-        ctx = list(prompt["prompt_token_ids"])
-        self.submitted.append((request_id, list(ctx), int(params.max_tokens)))
-        self.running.add(request_id)
-        rng = params.seed if params.seed is not None else None
-        ids: list[int] = []
-        lps: list[dict[int, _Logprob]] = []
-        try:
-            for _ in range(int(params.max_tokens)):
-                await asyncio.sleep(self.tick_s)
-                if request_id in self.aborted:
-                    return  # vLLM's AsyncLLM ends an aborted request's stream
-                if params.temperature == 0:
-                    tok = _h(*ctx) % self.vocab
-                else:
-                    if rng is None:
-                        self._draws += 1
-                        salt = _h(self.seed, self._draws)
-                    else:
-                        salt = _h(int(rng), len(ids))
-                    tok = _h(salt, *ctx) % self.vocab
-                if len(ids) + 1 < int(getattr(params, "min_tokens", 0) or 0) and tok == self.eos:
-                    tok = (tok + 1) % self.vocab
-                ctx.append(tok)
-                ids.append(tok)
-                lps.append({tok: _Logprob(-0.01 * tok)})
-                stop = tok == self.eos and not params.ignore_eos
-                fin = stop or len(ids) == int(params.max_tokens)
-                yield _RequestOutput(request_id, list(prompt["prompt_token_ids"]), [_Completion(
-                    0, list(ids), " ".join(map(str, ids)),
-                    list(lps) if params.logprobs is not None else None,
-                    ("stop" if stop else "length") if fin else None)], fin)
-                if fin:
-                    return
-        finally:
-            self.running.discard(request_id)
-
-    async def abort(self, request_id: str) -> None:
-        self.aborted.add(request_id)
-
-    async def sleep(self, level: int = 1) -> None:
-        pass
-
-    async def wake_up(self, tags: Any = None) -> None:
-        pass
 
 
 class CharTokenizer:

@@ -99,3 +99,22 @@ class FusionConfig:
             raise FusionConfigError(
                 "migrate=True needs stream=True (migration moves samples between our "
                 "generation backends); set stream=True or migrate=False")
+
+
+def vllm_generation_backend(policy: Any, fusion: FusionConfig, *, seed: int,
+                            instance_id: int) -> Any:
+    """``backend="vllm"``: a ``VLLMBackend`` built from the policy's checkpoint; the trainer
+    pushes the training copy's weights into it before every rollout."""
+    from ...rollout.vllm_backend import VLLMBackend
+
+    path = getattr(policy.config, "_name_or_path", "") or ""
+    if not path:
+        raise FusionConfigError(
+            "backend='vllm' builds its engine from the policy's checkpoint, and this policy "
+            "has none (built from a config): save_pretrained it and load it from the "
+            "directory, or use backend='reference'")
+    kwargs = {"seed": seed, "max_num_seqs": fusion.max_batch_size,
+              # Old logprobs are under the sampling temperature, as TRL's are.
+              "logprobs_mode": "processed_logprobs", **dict(fusion.vllm_engine_kwargs or {})}
+    return VLLMBackend(model=path, engine_kwargs=kwargs, instance_id=instance_id,
+                       max_batch_size=fusion.max_batch_size)

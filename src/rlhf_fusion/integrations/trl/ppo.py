@@ -40,7 +40,7 @@ from .experience import (
     policy_terms,
     value_terms,
 )
-from .fusion import FusionConfig, FusionConfigError
+from .fusion import FusionConfig, vllm_generation_backend
 from .ppo_config import PPOConfig
 from .rollout import (
     PPORollout,
@@ -385,21 +385,8 @@ class FusedPPOTrainer(_BaseTrainer):
             dtype=getattr(torch, self.fusion.generation_dtype), device=self.accelerator.device)
 
     def _vllm_backend(self, policy: nn.Module) -> Any:
-        from ...rollout.vllm_backend import VLLMBackend
-
-        path = getattr(policy.config, "_name_or_path", "") or ""
-        if not path:
-            raise FusionConfigError(
-                "backend='vllm' builds its engine from the policy's checkpoint, and this policy "
-                "has none (built from a config): save_pretrained it and load it from the "
-                "directory, or use backend='reference'")
-        kwargs = {"seed": self.args.seed, "max_num_seqs": self.fusion.max_batch_size,
-                  # PPO's old logprobs are under the sampling temperature, as TRL's are.
-                  "logprobs_mode": "processed_logprobs",
-                  **dict(self.fusion.vllm_engine_kwargs or {})}
-        return VLLMBackend(model=path, engine_kwargs=kwargs,
-                           instance_id=self.accelerator.process_index,
-                           max_batch_size=self.fusion.max_batch_size)
+        return vllm_generation_backend(policy, self.fusion, seed=self.args.seed,
+                                       instance_id=self.accelerator.process_index)
 
     @torch.no_grad()
     def _streamed_rollout(self, queries: torch.Tensor, update: int, unwrapped: Any

@@ -37,7 +37,7 @@ from ...rollout.reference import ReferenceBackend
 from ...rollout.sampling import derive_seed
 from ...rollout.types import SampleResult, SampleSpec
 from .compat import check_trl_seams, logps_options, uses_fused_lm_head
-from .fusion import FusionConfig, FusionConfigError
+from .fusion import FusionConfig, FusionConfigError, vllm_generation_backend
 from .packing import Packed, attention_mask_for, completion_targets, pack
 
 __all__ = ["REF_PAD_LOGP", "FusedRolloutMixin"]
@@ -116,7 +116,7 @@ class FusedRolloutMixin:
         check_trl_seams(self._stock, self._seams)
         self.fusion = fusion if fusion is not None else FusionConfig()
         super().__init__(*args, **kwargs)
-        self._fusion_backend: ReferenceBackend | None = None
+        self._fusion_backend: Any = None  # ReferenceBackend or VLLMBackend
         self._fusion_round = 0
         self._fusion_batch: _Batch | None = None
         if self.fusion.stream:
@@ -140,12 +140,10 @@ class FusedRolloutMixin:
             bad.append(f"repetition_penalty={t.repetition_penalty}")
         if getattr(t.args, "generation_kwargs", None):
             bad.append(f"generation_kwargs={t.args.generation_kwargs}")
-        if self.fusion.backend != "reference":
-            bad.append(f"FusionConfig.backend={self.fusion.backend!r} (only 'reference' here)")
         if bad:
             raise FusionConfigError(
                 f"{type(self).__name__}: fusion.stream samples with temperature only, from "
-                f"rlhf-fusion's reference backend, but {'; '.join(bad)}. Use the default "
+                f"rlhf-fusion's generation backend, but {'; '.join(bad)}. Use the default "
                 "sampling settings, or pass fusion=FusionConfig(stream=False, migrate=False) "
                 "to generate the stock way.")
 
@@ -207,10 +205,14 @@ class FusedRolloutMixin:
             model, input_ids, attention_mask, logits_to_keep, *args, **kwargs)
 
     # -- the rollout ----------------------------------------------------------------------------
-    def _generation_backend(self) -> ReferenceBackend:
+    def _generation_backend(self) -> Any:
         """A copy of the policy in the backend, with this step's weights pushed into it."""
         t: Any = self
         policy = t.accelerator.unwrap_model(t.model)
+        if self._fusion_backend is None and self.fusion.backend == "vllm":
+            self._fusion_backend = vllm_generation_backend(
+                policy, self.fusion, seed=int(t.args.seed),
+                instance_id=t.accelerator.process_index)
         if self._fusion_backend is None:
             dtype = getattr(torch, self.fusion.generation_dtype)
             self._fusion_backend = ReferenceBackend(
