@@ -159,10 +159,11 @@ class _OutputProcessor:
 
 
 class FakeAsyncLLM:
-    """One token per tick, an async stream of cumulative outputs per request, ``abort`` ending
-    the stream. The next token is a function of the whole context (prompt + tokens so far) and,
-    at temperature > 0, of the request's seed (or the engine's RNG when the request has none):
-    greedy decoding continues a resubmitted prompt + generated ids exactly as the unmoved
+    """One token per tick, an async stream of cumulative outputs per request; ``abort`` ends the
+    stream with a final output (``finished``, ``finish_reason="abort"``, the tokens so far), as
+    vLLM's AsyncLLM does; aborting a finished or unknown request does nothing. The next token is
+    a function of the whole context (prompt + tokens so far) and, at temperature > 0, of the
+    request's seed (or the engine's RNG when the request has none): greedy decoding continues a resubmitted prompt + generated ids exactly as the unmoved
     request, as a real model does. ``eos`` stops a request (lengths vary, there is a tail).
     """
 
@@ -199,7 +200,12 @@ class FakeAsyncLLM:
             for _ in range(int(params.max_tokens)):
                 await asyncio.sleep(self.tick_s)
                 if request_id in self.aborted:
-                    return  # vLLM's AsyncLLM ends an aborted request's stream
+                    # vLLM (since PR #22283, so 0.29 and later): one last output, finished, with
+                    # finish_reason "abort" and every token so far (cumulative)
+                    yield _RequestOutput(request_id, list(prompt["prompt_token_ids"]), [_Completion(
+                        0, list(ids), " ".join(map(str, ids)),
+                        list(lps) if params.logprobs is not None else None, "abort")], True)
+                    return
                 if params.temperature == 0:
                     tok = _h(*ctx) % self.vocab
                 else:
@@ -226,7 +232,8 @@ class FakeAsyncLLM:
             self.running.discard(request_id)
 
     async def abort(self, request_id: str) -> None:
-        self.aborted.add(request_id)
+        if request_id in self.running:
+            self.aborted.add(request_id)
 
     async def sleep(self, level: int = 1) -> None:
         pass
