@@ -163,8 +163,9 @@ class FakeAsyncLLM:
     stream with a final output (``finished``, ``finish_reason="abort"``, the tokens so far), as
     vLLM's AsyncLLM does; aborting a finished or unknown request does nothing. The next token is
     a function of the whole context (prompt + tokens so far) and, at temperature > 0, of the
-    request's seed (or the engine's RNG when the request has none): greedy decoding continues a resubmitted prompt + generated ids exactly as the unmoved
-    request, as a real model does. ``eos`` stops a request (lengths vary, there is a tail).
+    request's seed (or the engine's RNG when the request has none): greedy decoding continues a
+    resubmitted prompt + generated ids exactly as the unmoved request, as a real model does.
+    ``eos`` stops a request (lengths vary, there is a tail).
     """
 
     def __init__(self, vocab: int = 50, eos: int = 0, tick_s: float = 0.002,
