@@ -440,3 +440,44 @@ def test_setup_hook_installs_plugins_inside_ray_workers(ray_with_hook):
         assert rep["max_err"] <= 1e-5
     for p in probes:
         ray.kill(p)
+
+
+def test_train_step_status_carries_the_counters_once(monkeypatch, clean_plugins):
+    """What OpenRLHF's fit logs and sends to wandb/tensorboard: the stock status plus ours."""
+    from types import SimpleNamespace
+
+    from openrlhf.trainer.ppo_trainer import BasePPOTrainer
+
+    from rlhf_fusion.integrations.openrlhf import streaming
+    from rlhf_fusion.integrations.openrlhf.scoring import ScoringStats
+
+    clean_plugins.install_plugins(FusionOptions(stream=True), check=False)
+    assert BasePPOTrainer.train_step is streaming.fusion_train_step
+    monkeypatch.setitem(clean_plugins._INSTALLED["stream"], "train_step",
+                        lambda self, samples, step: ({"kl": 0.1}, step + 1))
+    gen = SimpleNamespace(
+        _fusion_stats=streaming.StreamStats(samples=4, requests=5, migrated=[3]),
+        _fusion_scoring_stats=ScoringStats(micro_batches=2, waves={"ref": 2, "critic": 1}))
+    trainer = SimpleNamespace(samples_generator=gen)
+    status, step = BasePPOTrainer.train_step(trainer, [], 7)
+    assert step == 8
+    assert status == {"kl": 0.1, "fusion/samples": 4, "fusion/requests": 5,
+                      "fusion/migrated_samples": 1, "fusion/scoring_micro_batches": 2,
+                      "fusion/scoring_waves": 3}
+    assert BasePPOTrainer.train_step(trainer, [], 8)[0] == {"kl": 0.1}  # not again
+
+
+def test_async_trainer_says_scoring_falls_back(monkeypatch):
+    from types import SimpleNamespace
+
+    import openrlhf.utils.logging_utils as lu
+
+    from rlhf_fusion.integrations.openrlhf.scoring import link_scoring
+
+    said = []
+    monkeypatch.setattr(lu, "init_logger", lambda name: SimpleNamespace(info=said.append))
+    args = SimpleNamespace(train=SimpleNamespace(async_enable=True),
+                           rollout=SimpleNamespace(batch_size=4))
+    trainer = SimpleNamespace(experience_maker=SimpleNamespace(args=args))  # TrainingActor
+    assert link_scoring(trainer) is None
+    assert len(said) == 1 and "--train.async_enable" in said[0]
