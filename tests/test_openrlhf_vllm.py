@@ -59,6 +59,9 @@ def real_engines(tmp_path_factory):
     tok = _tiny_model(path)
     if ray.is_initialized():
         ray.shutdown()
+    # two engines hold ~2 GB each; on a busy machine Ray's memory monitor would kill one
+    # mid-start rather than let it swap
+    os.environ.setdefault("RAY_memory_monitor_refresh_ms", "0")
     env = ray_runtime_env(FusionOptions(), extra_env={
         "VLLM_CPU_KVCACHE_SPACE": "1", "OMP_NUM_THREADS": "1",
         "PYTHONPATH": os.environ.get("PYTHONPATH", "")})

@@ -132,7 +132,7 @@ class FusionRolloutMixin:
             state.ready.clear()
             await state.ready.wait()
         got, state.done = state.done, []
-        if not state.live and not state.tasks:
+        if not state.live and all(t.done() for t in state.tasks):  # the run's last results
             self._fusion_runs().pop(run, None)
         return got
 
