@@ -107,6 +107,8 @@ def _sample(e):
 def test_openrlhf_engine_actor_over_real_vllm_migrates_without_cutting(real_engines):
     plain_stats, plain = _generate(real_engines, rt=None)
     stats, moved = _generate(real_engines, rt=0.5)
+    print(f"real vLLM: {len(stats.migrated)} of {len(PROMPTS) * N} samples migrated, "
+          f"{stats.requests} requests")
     assert stats.migrated, "nothing migrated; the test would prove nothing"
     assert stats.requests == len(PROMPTS) * N + len(stats.migrated)
     assert len(moved) == len(plain) == len(PROMPTS) * N  # every sample once
