@@ -451,10 +451,11 @@ def test_train_step_status_carries_the_counters_once(monkeypatch, clean_plugins)
     from rlhf_fusion.integrations.openrlhf import streaming
     from rlhf_fusion.integrations.openrlhf.scoring import ScoringStats
 
+    # the stock step as a stand-in (monkeypatch restores the real one after uninstall)
+    monkeypatch.setattr(BasePPOTrainer, "train_step",
+                        lambda self, rollout_samples, global_step: ({"kl": 0.1}, global_step + 1))
     clean_plugins.install_plugins(FusionOptions(stream=True), check=False)
     assert BasePPOTrainer.train_step is streaming.fusion_train_step
-    monkeypatch.setitem(clean_plugins._INSTALLED["stream"], "train_step",
-                        lambda self, samples, step: ({"kl": 0.1}, step + 1))
     gen = SimpleNamespace(
         _fusion_stats=streaming.StreamStats(samples=4, requests=5, migrated=[3]),
         _fusion_scoring_stats=ScoringStats(micro_batches=2, waves={"ref": 2, "critic": 1}))

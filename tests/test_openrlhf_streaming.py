@@ -20,7 +20,7 @@ from rlhf_fusion.integrations.openrlhf.testing import (  # noqa: E402
     remove_cpu_stubs,
 )
 
-MODEL = "fake:vocab=12,eos=0,tick_s=0.003"
+MODEL = "fake:vocab=12,eos=0,tick_s=0.01"  # slow enough that exports land mid-sample
 PROMPTS = [f"prompt {i} " + "x" * (i % 5) for i in range(12)]
 N = 2
 
