@@ -20,7 +20,7 @@ from rlhf_fusion.integrations.openrlhf.testing import (  # noqa: E402
     remove_cpu_stubs,
 )
 
-MODEL = "fake:vocab=12,eos=0,tick_s=0.003"
+MODEL = "fake:vocab=12,eos=0,tick_s=0.01"  # slow enough that exports land mid-sample
 PROMPTS = [f"prompt {i} " + "x" * (i % 5) for i in range(12)]
 N = 2
 
@@ -112,3 +112,55 @@ def test_sampled_streaming_with_migration_is_exactly_once(setup):
     for e in got:  # rollout logprobs line up with the tokens of migrated samples too
         n_act = int(e.action_mask[0].sum())
         assert n_act == int(e.response_length[0]) and 1 <= n_act <= 24
+
+
+def test_driver_cost_tokenizer_once_per_engine_waits_per_engine_prompts_stay_local(
+        setup, monkeypatch):
+    """The tokenizer goes to each engine once (not with every request); each ray.wait covers
+    at most one poll and one submit per engine (not every pending sample); without migration
+    all of a prompt's samples finish on the engine its prompt went to (prefix cache)."""
+    from rlhf_fusion.integrations.openrlhf.testing import CharTokenizer as Tok
+
+    widths = []
+    real_wait = ray.wait
+
+    def wait(refs, **kw):
+        widths.append(len(refs))
+        return real_wait(refs, **kw)
+
+    setup.plugins.install_plugins(FusionOptions(stream=True))
+    gen = _generator(setup.fused)
+    before = Tok.pickles
+    monkeypatch.setattr(ray, "wait", wait)
+    got, _, _ = _run(gen, temperature=0.0)
+    got2, _, _ = _run(gen, temperature=0.0)
+    monkeypatch.setattr(ray, "wait", real_wait)
+    assert len(got) == len(got2) == len(PROMPTS) * N
+    assert Tok.pickles - before == 1  # one ray.put, read by both engines, for both batches
+    assert widths and max(widths) <= 2 * len(setup.fused)
+    stats = gen._fusion_stats
+    assert not stats.migrated
+    by_prompt = {}
+    for key, engine in stats.engines.items():
+        by_prompt.setdefault(key // N, set()).add(engine)
+    assert len(by_prompt) == len(PROMPTS)
+    assert all(len(engines) == 1 for engines in by_prompt.values())
+    assert len({e for es in by_prompt.values() for e in es}) == 2  # both engines used
+
+
+def test_wait_bound_is_a_flag_and_the_counters_reach_the_status(setup, monkeypatch):
+    from rlhf_fusion.integrations.openrlhf.streaming import fusion_metrics
+    from rlhf_fusion.rollout.types import RolloutError
+
+    gen, _ = _fused(setup, temperature=0.0, rt=0.75)
+    migrated = len(gen._fusion_stats.migrated)
+    metrics = fusion_metrics(gen)
+    assert metrics["fusion/samples"] == len(PROMPTS) * N
+    assert metrics["fusion/migrated_samples"] == migrated > 0
+    assert metrics["fusion/requests"] == len(PROMPTS) * N + migrated
+    assert fusion_metrics(gen) == {}  # reported once
+    setup.plugins.uninstall_plugins()
+    setup.plugins.install_plugins(FusionOptions(stream=True, wait_s=5.0))
+    monkeypatch.setattr(ray, "wait", lambda refs, **kw: ([], list(refs)))  # nothing finishes
+    with pytest.raises(RolloutError, match=r"no sample finished in 5 s \(--fusion.wait_s\)"):
+        _run(_generator(setup.fused), temperature=0.0)

@@ -7,10 +7,12 @@ not midway through a Ray job.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.metadata
 import importlib.util
 import inspect
+import textwrap
 from pathlib import Path
 
 __all__ = ["SUPPORTED", "OpenRLHFVersionError", "check_seams", "check_version"]
@@ -57,6 +59,45 @@ def _expect(where: str, got: list[str], want: list[str], version: str) -> None:
         raise OpenRLHFVersionError(
             f"openrlhf {version}: {where} takes {got}, the integration patches {want}; "
             f"install {SUPPORTED_TEXT}")
+
+
+# The stock bodies the integration copies or reproduces, hashed as in openrlhf 0.11.2
+# (``body_hash``). A release that keeps a signature but changes the body (0.11.1 -> 0.11.2
+# changed _dispatch_prompts_to_vllm's sampling parameters) must be re-read before it is trusted.
+STOCK_BODIES: dict[str, str] = {
+    # streaming: the collection loop, the sampling parameters and prompt balancing
+    "SamplesGenerator._generate_vllm": "906d7c8a7369b6be",
+    "SamplesGenerator._dispatch_prompts_to_vllm": "b80c3469cb996d47",
+    # engine: generate's media-token dedup and prompt building
+    "RolloutRayActor.generate": "1ef9bc2ba447baf6",
+    # --fusion.gae: the recursion and its mask semantics
+    "RemoteExperienceMaker.get_advantages_and_returns": "df55c3229effb53f",
+    # --fusion.stream_scoring: the micro-batching and the group dispatch it reproduces
+    "RemoteExperienceMaker.split_rollout_samples": "4666b971b926e2cb",
+    "RayActorGroup.async_run_method_batch": "8bbc7ba8d7f7ecd9",
+}
+
+
+def body_hash(fn: object) -> str:
+    """sha256 (16 hex digits) of a function's source, dedented, trailing spaces stripped."""
+    src = textwrap.dedent(inspect.getsource(fn))  # type: ignore[arg-type]
+    src = "\n".join(line.rstrip() for line in src.splitlines())
+    return hashlib.sha256(src.encode()).hexdigest()[:16]
+
+
+def _check_body(where: str, fn: object, version: str) -> None:
+    if getattr(fn, "__module__", "").startswith("rlhf_fusion"):  # installed: check stock's
+        from .plugins import _INSTALLED
+
+        name = where.rpartition(".")[2]
+        fn = next(st[name] for st in _INSTALLED.values() if name in st)
+    got = body_hash(fn)
+    if got != STOCK_BODIES[where]:
+        raise OpenRLHFVersionError(
+            f"openrlhf {version}: the body of {where} differs from openrlhf 0.11.2's (source "
+            f"hash {got}, expected {STOCK_BODIES[where]}); the integration copies it, so it "
+            f"must be re-read for this release. Install {SUPPORTED_TEXT} (openrlhf==0.11.2) "
+            "or run OpenRLHF stock")
 
 
 def check_train_module(version: str) -> Path:
@@ -112,6 +153,10 @@ def check_scoring_seams(version: str) -> None:
                  'vlm_forward_kwargs["mm_train_inputs_list"]'), version)
     _source_has("RemoteExperienceMaker._dispatch_forward", maker._dispatch_forward,
                 ('async_run_method_batch(method_name="forward"',), version)
+    _check_body("RemoteExperienceMaker.split_rollout_samples", maker.split_rollout_samples,
+                version)
+    _check_body("RayActorGroup.async_run_method_batch", la.RayActorGroup.async_run_method_batch,
+                version)
     _source_has("RemoteExperienceMaker._flatten_results", maker._flatten_results,
                 ("[::duplicate_factor]",), version)
     group = la.RayActorGroup
@@ -147,6 +192,8 @@ def check_seams(*, gae: bool = True, stream: bool = True, scoring: bool = True) 
         _expect("RemoteExperienceMaker.get_advantages_and_returns",
                 _params(em.RemoteExperienceMaker.get_advantages_and_returns),
                 ["self", "values", "rewards", "action_mask", "gamma", "lambd"], version)
+        _check_body("RemoteExperienceMaker.get_advantages_and_returns",
+                    em.RemoteExperienceMaker.get_advantages_and_returns, version)
     if stream:
         sg = importlib.import_module("openrlhf.trainer.ppo_utils.samples_generator")
         _expect("SamplesGenerator._generate_vllm", _params(sg.SamplesGenerator._generate_vllm),
@@ -158,17 +205,28 @@ def check_seams(*, gae: bool = True, stream: bool = True, scoring: bool = True) 
         _expect("SamplesGenerator._process_response_into_experience",
                 _params(sg.SamplesGenerator._process_response_into_experience),
                 ["self", "response", "generate_kwargs"], version)
+        _check_body("SamplesGenerator._generate_vllm", sg.SamplesGenerator._generate_vllm,
+                    version)
+        _check_body("SamplesGenerator._dispatch_prompts_to_vllm",
+                    sg.SamplesGenerator._dispatch_prompts_to_vllm, version)
+        pt = importlib.import_module("openrlhf.trainer.ppo_trainer")
+        _expect("BasePPOTrainer.train_step", _params(pt.BasePPOTrainer.train_step),
+                ["self", "rollout_samples", "global_step"], version)
         if not callable(getattr(sg, "_collect_prompt_batch", None)):
             raise OpenRLHFVersionError(f"openrlhf {version}: samples_generator has no "
                                        f"_collect_prompt_batch; install {SUPPORTED_TEXT}")
         ve = importlib.import_module("openrlhf.trainer.ray.vllm_engine")
-        actor = getattr(getattr(ve.RolloutRayActor, "__ray_metadata__", None),
+        from .plugins import _INSTALLED
+
+        stock_actor = _INSTALLED.get("stream", {}).get("RolloutRayActor", ve.RolloutRayActor)
+        actor = getattr(getattr(stock_actor, "__ray_metadata__", None),
                         "modified_class", None)
         if actor is None:
             raise OpenRLHFVersionError(f"openrlhf {version}: RolloutRayActor is not a Ray actor "
                                        f"class; install {SUPPORTED_TEXT}")
         _expect("RolloutRayActor.generate", _params(actor.generate),
                 ["self", "prompt_token_ids", "sampling_params", "multi_modal_data"], version)
+        _check_body("RolloutRayActor.generate", actor.generate, version)
         _expect("create_vllm_engines' RolloutRayActor lookup",
                 ["RolloutRayActor"] if "RolloutRayActor" in ve.create_vllm_engines.__code__.co_names
                 else [], ["RolloutRayActor"], version)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -9,6 +10,16 @@ import torch
 from ...triton_kernels.gae import gae
 
 __all__ = ["fused_get_advantages_and_returns"]
+
+_SAID: set[str] = set()
+
+
+def _stock_once(reason: str) -> None:
+    if reason not in _SAID:
+        _SAID.add(reason)
+        logging.getLogger("rlhf_fusion.openrlhf").warning(
+            f"rlhf_fusion: --fusion.gae runs OpenRLHF's own get_advantages_and_returns for "
+            f"{reason} (said once)")
 
 
 @torch.no_grad()
@@ -27,6 +38,20 @@ def fused_get_advantages_and_returns(
     rewards are promoted before); ``gae`` computes in float32, so the result is cast to that
     dtype to keep everything downstream (whitening, the replay buffer) unchanged.
     """
+    from . import plugins
+
+    # Where the blocked form would differ from stock, run stock: gae refuses gamma/lambda
+    # outside [0, 1] (stock accepts them), and a NaN/inf anywhere (padding included) makes
+    # stock's advantages NaN, which the blocked form would not reproduce.
+    reason = None
+    if not (0.0 <= float(gamma) <= 1.0 and 0.0 <= float(lambd) <= 1.0):
+        reason = f"gamma={gamma}, lambd={lambd} outside [0, 1]"
+    elif not (bool(torch.isfinite(values).all()) and bool(torch.isfinite(rewards).all())):
+        reason = "values or rewards with NaN/inf"
+    if reason is not None:
+        _stock_once(reason)
+        stock = plugins._INSTALLED["gae"]["get_advantages_and_returns"]
+        return stock(self, values, rewards, action_mask, gamma, lambd)
     out_dtype = torch.promote_types(torch.promote_types(values.dtype, rewards.dtype),
                                     torch.float32)
     adv, ret = gae(rewards, values, action_mask, gamma=float(gamma), lam=float(lambd),

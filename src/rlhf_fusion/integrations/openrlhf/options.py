@@ -28,8 +28,11 @@ FUSION_FLAGS: dict[str, tuple[bool, str]] = {
                           "or a fraction of the batch in (0, 1]; implies --fusion.stream"),
     "--fusion.mechanism": (True, "migration mechanism: 'tokens' (abort, resubmit prompt + "
                                  "generated ids) or 'auto' (= tokens: vLLM engines export no KV)"),
-    "--fusion.gae": (False, "GAE by rlhf_fusion's blocked kernel in place of "
-                            "RemoteExperienceMaker.get_advantages_and_returns"),
+    "--fusion.wait_s": (True, "give up (an error) when no sample finished for this many seconds; "
+                              "default: wait without bound, as stock"),
+    "--fusion.gae": (False, "GAE advantages and returns by rlhf_fusion's blocked matrix form in "
+                            "place of RemoteExperienceMaker.get_advantages_and_returns (only "
+                            "--algo.advantage.estimator gae calls it; on CPU tensors there)"),
     "--fusion.pipeline": (False, "fused Actor/Critic pipeline (not wired for OpenRLHF's "
                                  "DeepSpeed groups yet: refused with an error)"),
 }
@@ -51,6 +54,7 @@ class FusionOptions:
     stream_scoring: bool = False
     rt: float | str | None = None  # None: no migration; "auto" or a fraction of the batch
     mechanism: str = "tokens"
+    wait_s: float | None = None  # None: wait for the next sample without bound (stock)
     gae: bool = False
     pipeline: bool = False
 
@@ -64,6 +68,15 @@ class FusionOptions:
             if not 0 < rt <= 1:
                 raise FusionFlagError(f"--fusion.rt {self.rt!r}: a fraction must be in (0, 1]")
             object.__setattr__(self, "rt", rt)
+        if self.wait_s is not None:
+            try:
+                wait_s = float(self.wait_s)
+            except (TypeError, ValueError):
+                raise FusionFlagError(f"--fusion.wait_s {self.wait_s!r}: give seconds, "
+                                      "e.g. 1800") from None
+            if not wait_s > 0:
+                raise FusionFlagError(f"--fusion.wait_s {self.wait_s!r}: must be > 0")
+            object.__setattr__(self, "wait_s", wait_s)
         if self.mechanism not in ("tokens", "auto"):
             raise FusionFlagError(f"--fusion.mechanism {self.mechanism!r}: use 'tokens' or "
                                   "'auto' (vLLM engines have no KV export, so no 'kv')")
@@ -100,13 +113,16 @@ def split_argv(argv: Sequence[str]) -> tuple[list[str], FusionOptions]:
     argv = list(argv)
     while i < len(argv):
         arg = argv[i]
-        if not arg.startswith("--fusion.") and not arg.startswith("--fusion_"):
+        if not arg.startswith("--fusion"):  # no stock flag starts so
             stock.append(arg)
             i += 1
             continue
         flag, eq, inline = arg.partition("=")
         if flag not in FUSION_FLAGS:
-            raise FusionFlagError(f"unknown flag {flag}; the --fusion flags are: {_known()}")
+            near = "--fusion." + flag.removeprefix("--fusion").lstrip(".-_").replace("-", "_")
+            hint = f" (did you mean {near}?)" if near in FUSION_FLAGS else ""
+            raise FusionFlagError(f"unknown flag {flag}{hint}; the --fusion flags are: "
+                                  f"{_known()}")
         takes_value, _ = FUSION_FLAGS[flag]
         if takes_value:
             if eq:

@@ -1,21 +1,39 @@
 """Installing the plugins into OpenRLHF's classes, in the driver and in every Ray worker.
 
 The trainers are ``@ray.remote`` classes, so a patch made in the driver alone does not reach
-them: ``hook.setup_worker`` calls ``install_plugins`` in each worker at start (Ray's
-``worker_process_setup_hook``). Installing is idempotent and recorded, so a worker can be asked
-which plugins it runs (``installed_plugins``).
+them: ``hook.setup_worker`` calls ``install_plugins(lazy=True)`` in each worker at start (Ray's
+``worker_process_setup_hook``). Lazily, each OpenRLHF module is patched when the worker itself
+imports it, and never imported by us: a vLLM engine worker then loads neither DeepSpeed nor
+``openrlhf.models``. Installing is idempotent and recorded (``installed_plugins``).
 """
 
 from __future__ import annotations
 
 import importlib
+import importlib.abc
+import sys
+from collections.abc import Callable
 from typing import Any
 
 from .options import FusionOptions
 
-__all__ = ["current_options", "install_plugins", "installed_plugins"]
+__all__ = ["current_options", "install_plugins", "installed_plugins", "uninstall_plugins"]
 
-_INSTALLED: dict[str, Any] = {}  # plugin name -> the stock object it replaced
+EM = "openrlhf.trainer.ppo_utils.experience_maker"
+SG = "openrlhf.trainer.ppo_utils.samples_generator"
+VE = "openrlhf.trainer.ray.vllm_engine"
+PT = "openrlhf.trainer.ppo_trainer"
+
+# the modules each plugin patches
+PLUGIN_MODULES: dict[str, tuple[str, ...]] = {
+    "gae": (EM,),
+    "stream": (SG, VE, PT),
+    "stream_scoring": (EM, PT),
+}
+
+_INSTALLED: dict[str, Any] = {}  # plugin name -> the stock objects it replaced, by name
+_APPLIED: set[tuple[str, str]] = set()  # (plugin, module) patched
+_REQUESTED: set[str] = set()
 _OPTIONS: FusionOptions | None = None
 
 
@@ -24,13 +42,110 @@ def current_options() -> FusionOptions | None:
 
 
 def installed_plugins() -> list[str]:
-    return sorted(_INSTALLED)
+    """The plugins requested whose every module is patched (plus ``migrate``, which rides on
+    ``stream``)."""
+    done = [p for p in sorted(_REQUESTED)
+            if p in PLUGIN_MODULES and all((p, m) in _APPLIED for m in PLUGIN_MODULES[p])]
+    if "migrate" in _REQUESTED and "stream" in done:
+        done.append("migrate")
+    return sorted(done)
 
 
-def install_plugins(options: FusionOptions, *, check: bool = True) -> list[str]:
+def _requested(options: FusionOptions) -> set[str]:
+    names = {name for name, on in (("gae", options.gae), ("stream", options.stream),
+                                   ("stream_scoring", options.stream_scoring),
+                                   ("migrate", options.migrate)) if on}
+    return names
+
+
+def _patch(module_name: str, module: Any) -> None:
+    """Apply every requested plugin's patch of this (just imported) module."""
+    for plugin in sorted(_REQUESTED):
+        if module_name not in PLUGIN_MODULES.get(plugin, ()) or (plugin, module_name) in _APPLIED:
+            continue
+        stock = _INSTALLED.setdefault(plugin, {})
+        if plugin == "gae":
+            from .gae_plugin import fused_get_advantages_and_returns
+
+            maker = module.RemoteExperienceMaker
+            stock["get_advantages_and_returns"] = maker.get_advantages_and_returns
+            maker.get_advantages_and_returns = fused_get_advantages_and_returns
+        elif plugin == "stream" and module_name == SG:
+            from .streaming import fusion_generate_vllm
+
+            stock["_generate_vllm"] = module.SamplesGenerator._generate_vllm
+            module.SamplesGenerator._generate_vllm = fusion_generate_vllm
+        elif plugin == "stream" and module_name == VE:
+            from .engine import make_fusion_rollout_actor
+
+            # create_vllm_engines looks the class up in its module when the driver builds engines
+            stock["RolloutRayActor"] = module.RolloutRayActor
+            module.RolloutRayActor = make_fusion_rollout_actor(module.RolloutRayActor)
+        elif plugin == "stream" and module_name == PT:
+            from .streaming import fusion_train_step
+
+            stock["train_step"] = module.BasePPOTrainer.train_step
+            module.BasePPOTrainer.train_step = fusion_train_step
+        elif plugin == "stream_scoring" and module_name == EM:
+            from . import scoring
+
+            maker = module.RemoteExperienceMaker
+            for name in ("make_experience_batch", "split_rollout_samples", "_dispatch_forward"):
+                stock[name] = getattr(maker, name)
+            maker.make_experience_batch = scoring.fusion_make_experience_batch
+            maker.split_rollout_samples = scoring.fusion_split_rollout_samples
+            maker._dispatch_forward = scoring.fusion_dispatch_forward
+        elif plugin == "stream_scoring" and module_name == PT:
+            from . import scoring
+
+            # PPOTrainer builds its generator, then BasePPOTrainer.__init__ its experience maker
+            stock["__init__"] = module.BasePPOTrainer.__init__
+            module.BasePPOTrainer.__init__ = scoring.fusion_trainer_init
+        _APPLIED.add((plugin, module_name))
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Patches a module right after its first import, without importing it ourselves."""
+
+    def find_spec(self, name: str, path: Any = None, target: Any = None) -> Any:
+        if name not in _wanted_modules():
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module: Any, _run: Callable[[Any], None] = run) -> None:
+            _run(module)
+            _patch(name, module)
+
+        loader.exec_module = exec_module  # this spec's own loader instance
+        return spec
+
+
+_FINDER = _PatchOnImport()
+
+
+def _wanted_modules() -> set[str]:
+    return {m for p in _REQUESTED for m in PLUGIN_MODULES.get(p, ())
+            if (p, m) not in _APPLIED}
+
+
+def install_plugins(options: FusionOptions, *, check: bool = True,
+                    lazy: bool = False) -> list[str]:
     """Patch OpenRLHF for ``options``; returns the plugins now installed.
 
-    ``check`` runs the version and seam checks first (``compat.check_seams``).
+    ``check`` runs the version and seam checks first (``compat.check_seams``). ``lazy`` patches
+    only the modules already imported and the rest when they are (Ray workers: nothing is
+    imported that the worker would not import itself).
     """
     global _OPTIONS
     if options.pipeline:
@@ -43,60 +158,37 @@ def install_plugins(options: FusionOptions, *, check: bool = True) -> list[str]:
 
         check_seams(gae=options.gae, stream=options.stream, scoring=options.stream_scoring)
     _OPTIONS = options
-    if options.gae and "gae" not in _INSTALLED:
-        em = importlib.import_module("openrlhf.trainer.ppo_utils.experience_maker")
-        from .gae_plugin import fused_get_advantages_and_returns
-
-        _INSTALLED["gae"] = em.RemoteExperienceMaker.get_advantages_and_returns
-        em.RemoteExperienceMaker.get_advantages_and_returns = fused_get_advantages_and_returns
-    if options.stream and "stream" not in _INSTALLED:
-        sg = importlib.import_module("openrlhf.trainer.ppo_utils.samples_generator")
-        ve = importlib.import_module("openrlhf.trainer.ray.vllm_engine")
-        from .engine import make_fusion_rollout_actor
-        from .streaming import fusion_generate_vllm
-
-        _INSTALLED["stream"] = (sg.SamplesGenerator._generate_vllm, ve.RolloutRayActor)
-        sg.SamplesGenerator._generate_vllm = fusion_generate_vllm
-        # create_vllm_engines looks the class up in its module when the driver builds engines
-        ve.RolloutRayActor = make_fusion_rollout_actor(ve.RolloutRayActor)
-    if options.stream_scoring and "stream_scoring" not in _INSTALLED:
-        em = importlib.import_module("openrlhf.trainer.ppo_utils.experience_maker")
-        pt = importlib.import_module("openrlhf.trainer.ppo_trainer")
-        from . import scoring
-
-        maker = em.RemoteExperienceMaker
-        _INSTALLED["stream_scoring"] = {
-            "make_experience_batch": maker.make_experience_batch,
-            "split_rollout_samples": maker.split_rollout_samples,
-            "_dispatch_forward": maker._dispatch_forward,
-            "__init__": pt.BasePPOTrainer.__init__,
-        }
-        maker.make_experience_batch = scoring.fusion_make_experience_batch
-        maker.split_rollout_samples = scoring.fusion_split_rollout_samples
-        maker._dispatch_forward = scoring.fusion_dispatch_forward
-        # PPOTrainer builds its generator, then BasePPOTrainer.__init__ its experience maker
-        pt.BasePPOTrainer.__init__ = scoring.fusion_trainer_init
-    if options.migrate:
-        _INSTALLED.setdefault("migrate", None)
+    _REQUESTED.update(_requested(options))
+    for module_name in sorted(_wanted_modules()):
+        module = sys.modules.get(module_name)
+        if module is None and not lazy:
+            module = importlib.import_module(module_name)  # patched by the finder on import
+        if module is not None:
+            _patch(module_name, module)
+    if _wanted_modules() and _FINDER not in sys.meta_path:
+        sys.meta_path.insert(0, _FINDER)
     return installed_plugins()
 
 
 def uninstall_plugins() -> None:
     """Undo ``install_plugins`` (tests)."""
     global _OPTIONS
-    if "gae" in _INSTALLED:
-        em = importlib.import_module("openrlhf.trainer.ppo_utils.experience_maker")
-        em.RemoteExperienceMaker.get_advantages_and_returns = _INSTALLED.pop("gae")
-    if "stream" in _INSTALLED:
-        sg = importlib.import_module("openrlhf.trainer.ppo_utils.samples_generator")
-        ve = importlib.import_module("openrlhf.trainer.ray.vllm_engine")
-        sg.SamplesGenerator._generate_vllm, ve.RolloutRayActor = _INSTALLED.pop("stream")
-    if "stream_scoring" in _INSTALLED:
-        em = importlib.import_module("openrlhf.trainer.ppo_utils.experience_maker")
-        pt = importlib.import_module("openrlhf.trainer.ppo_trainer")
-        stock = _INSTALLED.pop("stream_scoring")
-        pt.BasePPOTrainer.__init__ = stock.pop("__init__")
-        for name, fn in stock.items():
-            setattr(em.RemoteExperienceMaker, name, fn)
-    _INSTALLED.pop("migrate", None)
+    where = {"get_advantages_and_returns": (EM, "RemoteExperienceMaker"),
+             "make_experience_batch": (EM, "RemoteExperienceMaker"),
+             "split_rollout_samples": (EM, "RemoteExperienceMaker"),
+             "_dispatch_forward": (EM, "RemoteExperienceMaker"),
+             "_generate_vllm": (SG, "SamplesGenerator"),
+             "train_step": (PT, "BasePPOTrainer"),
+             "__init__": (PT, "BasePPOTrainer"),
+             "RolloutRayActor": (VE, None)}
+    for stock in _INSTALLED.values():
+        for name, obj in stock.items():
+            module_name, owner = where[name]
+            module = sys.modules[module_name]
+            setattr(module if owner is None else getattr(module, owner), name, obj)
+    _INSTALLED.clear()
+    _APPLIED.clear()
+    _REQUESTED.clear()
+    if _FINDER in sys.meta_path:
+        sys.meta_path.remove(_FINDER)
     _OPTIONS = None

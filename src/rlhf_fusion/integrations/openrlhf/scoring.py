@@ -113,6 +113,12 @@ def link_scoring(trainer: Any) -> ScoringLink | None:
     gen = getattr(trainer, "samples_generator", None)
     maker = getattr(trainer, "experience_maker", None)
     if gen is None or maker is None:
+        if maker is not None:  # async TrainingActor: its samples come from another actor
+            from openrlhf.utils.logging_utils import init_logger
+
+            init_logger(__name__).info(
+                "rlhf_fusion: --fusion.stream_scoring falls back to stock make_experience: "
+                f"{stock_reason(maker.args) or 'the samples are generated in another actor'}")
         return None
     reason = stock_reason(maker.args)
     if reason is None and not getattr(gen, "vllm_engines", None):

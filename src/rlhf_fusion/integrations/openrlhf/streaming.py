@@ -1,8 +1,11 @@
 """Driver side of streaming and migration: ``SamplesGenerator._generate_vllm`` replaced.
 
 Stock OpenRLHF sends each prompt to one engine (``generate_responses``, all its samples) and
-collects whole prompts. Here each sample is one request (``fusion_generate_sample``), collected
-the moment it finishes; a prompt's experiences are built, in sample order, with the stock
+collects whole prompts. Here prompts go to engines as stock balances them (all of a prompt's
+samples on one engine, for its prefix cache), but each sample is its own request, collected the
+moment it finishes (``engine.py``: one ``fusion_submit`` per engine per wave, one
+``fusion_poll`` in flight per busy engine, so the driver waits on as many refs as there are
+engines, and the tokenizer goes to each engine once); a prompt's experiences are built, in sample order, with the stock
 ``_process_response_into_experience`` once its last sample is in (dynamic filtering is per
 prompt, as stock). With migration on, once at most R_t samples of the batch still decode, the
 long tail is consolidated on the m engines that hold most of it (``rollout.planning``): the
@@ -16,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +34,6 @@ __all__ = ["AUTO_RT_FRACTION", "StreamStats", "fusion_generate_vllm"]
 AUTO_RT_FRACTION = 0.25
 # vLLM's default max_num_seqs: the batch slots of one engine (BS_max of the planner).
 ENGINE_BS_MAX = 256
-WAIT_S = 600.0  # no sample for this long: an engine is stuck
 
 
 @dataclass
@@ -64,6 +67,19 @@ def _options() -> FusionOptions:
     return plugins.current_options() or FusionOptions(stream=True)
 
 
+def _send_tokenizer(self: Any, engines: list[Any]) -> None:
+    """The tokenizer to every engine that lacks it, once for the generator's life (a Qwen-sized
+    tokenizer takes ~0.3 s to serialise; stock sends it with every prompt)."""
+    import ray
+
+    sent: list[Any] = self.__dict__.setdefault("_fusion_tokenizer_sent", [])
+    todo = [e for e in engines if not any(e is s for s in sent)]
+    if todo:
+        ref = ray.put(self.tokenizer)
+        ray.get([e.fusion_set_tokenizer.remote(ref) for e in todo])
+        sent.extend(todo)
+
+
 def fusion_generate_vllm(self: Any, dataloader_iter: Any, num_prompts: int,
                          dynamic_filtering: Any, **generate_kwargs: Any
                          ) -> tuple[list[Any], int, bool]:
@@ -87,86 +103,109 @@ def fusion_generate_vllm(self: Any, dataloader_iter: Any, num_prompts: int,
     stats = StreamStats()
     self._fusion_stats = stats
     scorer = _scorer(self, dataloader_iter, num_prompts) if opts.stream_scoring else None
+    _send_tokenizer(self, engines)
+    run = uuid.uuid4().hex  # this call's samples on the engines (keys restart at 0 per call)
 
     groups: dict[int, dict[str, Any]] = {}  # prompt index -> prompt, label, image, responses
     owner: dict[int, int] = {}  # key -> prompt index
     route: dict[int, int] = {}  # key -> engine to resubmit to after its export
-    pending: dict[Any, tuple[int, int]] = {}  # ref -> (key, engine)
-    load = [0] * len(engines)
+    outstanding = [0] * len(engines)  # samples submitted to each engine, not yet returned
+    polls: dict[Any, int] = {}  # the one fusion_poll in flight per busy engine -> engine
+    submits: set[Any] = set()  # fusion_submit calls not yet seen to return (errors surface)
     next_key = 0
 
-    def submit(key: int, engine: int, resume: dict[str, Any] | None = None) -> None:
-        g = groups[owner[key]]
-        ref = engines[engine].fusion_generate_sample.remote(
-            key, g["prompt"], g["label"], params, max_length, self.tokenizer, g["image"],
-            resume)
-        pending[ref] = (key, engine)
-        load[engine] += 1
-        stats.requests += 1
+    def submit(by_engine: dict[int, list[tuple[int, dict[str, Any] | None]]]) -> None:
+        for engine, items in by_engine.items():
+            batch = []
+            for key, resume in items:
+                g = groups[owner[key]]
+                batch.append((key, g["prompt"], g["label"], g["image"], resume))
+            # one call per engine per wave
+            submits.add(engines[engine].fusion_submit.remote(run, batch, params, max_length))
+            outstanding[engine] += len(items)
+            stats.requests += len(items)
+        for engine in range(len(engines)):
+            if outstanding[engine] and engine not in polls.values():
+                polls[engines[engine].fusion_poll.remote(run)] = engine
 
     def add_prompts(ps: list[Any], ls: list[Any], ims: list[Any]) -> None:
         nonlocal next_key
-        heap = [(c, i) for i, c in enumerate(load)]
+        # stock's balancing: each prompt, all its samples, to the engine with the fewest
+        # unfinished requests (one prompt's samples share an engine: prefix-cache locality)
+        counts = ray.get([e.get_num_unfinished_requests.remote() for e in engines])
+        heap = [(c, i) for i, c in enumerate(counts)]
         heapq.heapify(heap)
+        wave: dict[int, list[tuple[int, dict[str, Any] | None]]] = {}
         for p, lab, im in zip(ps, ls, ims or [None] * len(ps)):
             idx = len(groups)
             groups[idx] = {"prompt": p, "label": lab, "image": im, "responses": {}}
+            c, e = heapq.heappop(heap)
             for _ in range(n):
-                c, e = heapq.heappop(heap)  # least loaded engine, as stock balances prompts
                 owner[next_key] = idx
-                submit(next_key, e)
-                heapq.heappush(heap, (c + 1, e))
+                wave.setdefault(e, []).append((next_key, None))
                 next_key += 1
+            heapq.heappush(heap, (c + n, e))
             stats.samples += n
+        submit(wave)
 
     add_prompts(prompts, labels, images)
     prompts_consumed += len(prompts)
     migrated_once = not opts.migrate or len(engines) < 2
     frac = AUTO_RT_FRACTION if opts.rt == "auto" else float(opts.rt or 0)
 
-    while pending:
-        ready, _ = ray.wait(list(pending), num_returns=1,
-                            timeout=0.05 if not migrated_once else WAIT_S)
-        if not ready and migrated_once:
-            raise RolloutError(f"no sample finished in {WAIT_S:.0f} s; a vLLM engine is stuck")
+    while polls:
+        ready, _ = ray.wait([*polls, *submits], num_returns=1, timeout=opts.wait_s)
+        if not ready:
+            raise RolloutError(
+                f"no sample finished in {opts.wait_s:g} s (--fusion.wait_s) with "
+                f"{sum(outstanding)} still decoding; a vLLM engine is stuck, or raise the bound")
+        moved: dict[int, list[tuple[int, dict[str, Any] | None]]] = {}
         for ref in ready:
-            key, engine = pending.pop(ref)
-            load[engine] -= 1
-            out = ray.get(ref)
-            if "fusion_migrated" in out:
-                stats.migrated.append(key)
-                submit(key, route.pop(key), resume=out["fusion_migrated"])
+            if ref in submits:
+                submits.discard(ref)
+                ray.get(ref)  # raises an engine's error in starting its samples
                 continue
-            route.pop(key, None)  # an export that arrived after it finished
-            g = groups[owner[key]]
-            if key in g["responses"]:
-                raise RolloutError(f"sample {key} was collected twice (engine {engine})")
-            g["responses"][key] = out
-            stats.engines[key] = engine
-            if len(g["responses"]) < n:
-                continue
-            experiences = [self._process_response_into_experience(g["responses"][k],
-                                                                  **generate_kwargs)
-                           for k in sorted(g["responses"])]
-            if dynamic_filtering and all(e.scores is not None for e in experiences):
-                scores = [e.scores[0].item() for e in experiences]
-                lo, hi = self.args.algo.dynamic_filtering_range
-                if not (lo < sum(scores) / len(scores) < hi):
-                    experiences = []
-            if experiences:
-                accepted.extend(experiences)
-                if scorer is not None:  # their forwards start now, while the rest decodes
-                    scorer.add(experiences, live=len(pending))
-            elif dynamic_filtering:  # a replacement prompt, as stock
-                ps, ls, ims, exhausted = _collect_prompt_batch(dataloader_iter, 1)
-                prompts_consumed += len(ps)
-                if ps:
-                    add_prompts(ps, ls, ims)
+            engine = polls.pop(ref)
+            for key, out in ray.get(ref):
+                outstanding[engine] -= 1
+                if "fusion_error" in out:
+                    raise RolloutError(f"vLLM engine {engine} failed on sample {key}:\n"
+                                       f"{out['fusion_error']}")
+                if "fusion_migrated" in out:
+                    stats.migrated.append(key)
+                    moved.setdefault(route.pop(key), []).append((key, out["fusion_migrated"]))
+                    continue
+                route.pop(key, None)  # an export that arrived after it finished
+                g = groups[owner[key]]
+                if key in g["responses"]:
+                    raise RolloutError(f"sample {key} was collected twice (engine {engine})")
+                g["responses"][key] = out
+                stats.engines[key] = engine
+                if len(g["responses"]) < n:
+                    continue
+                experiences = [self._process_response_into_experience(g["responses"][k],
+                                                                      **generate_kwargs)
+                               for k in sorted(g["responses"])]
+                if dynamic_filtering and all(e.scores is not None for e in experiences):
+                    scores = [e.scores[0].item() for e in experiences]
+                    lo, hi = self.args.algo.dynamic_filtering_range
+                    if not (lo < sum(scores) / len(scores) < hi):
+                        experiences = []
+                if experiences:
+                    accepted.extend(experiences)
+                    if scorer is not None:  # their forwards start now, while the rest decodes
+                        scorer.add(experiences, live=sum(outstanding))
+                elif dynamic_filtering:  # a replacement prompt, as stock
+                    ps, ls, ims, exhausted = _collect_prompt_batch(dataloader_iter, 1)
+                    prompts_consumed += len(ps)
+                    if ps:
+                        add_prompts(ps, ls, ims)
+        submit(moved)
         if not migrated_once:
-            live = len(pending)
+            live = sum(outstanding)
             if 0 < live <= max(1, math.floor(frac * stats.samples)):
                 migrated_once = True
-                _migrate(engines, live, route)
+                _migrate(engines, run, live, route)
     if scorer is not None:
         self._fusion_link.pending = scorer.finish()
         self._fusion_scoring_stats = scorer.stats
@@ -189,13 +228,13 @@ def _scorer(self: Any, dataloader_iter: Any, num_prompts: int) -> Any:
     return StreamScorer(link)
 
 
-def _migrate(engines: list[Any], live: int, route: dict[int, int]) -> None:
+def _migrate(engines: list[Any], run: str, live: int, route: dict[int, int]) -> None:
     """Consolidate the tail on m engines; records each exported key's destination in route."""
     import ray
 
     if not all(ray.get([e.fusion_can_migrate.remote() for e in engines], timeout=60)):
         return
-    reports = ray.get([e.fusion_progress.remote() for e in engines], timeout=60)
+    reports = ray.get([e.fusion_progress.remote(run) for e in engines], timeout=60)
     unfinished = {i: [MovingSample(sample_id=k, kv_tokens=p + max(g - 1, 0), reserved_tokens=p + b)
                       for k, p, g, b in rep] for i, rep in enumerate(reports)}
     m = required_instances(live, ENGINE_BS_MAX, 0.0, None)
@@ -207,7 +246,36 @@ def _migrate(engines: list[Any], live: int, route: dict[int, int]) -> None:
             for k in ids:
                 route[k] = dst
             keys.extend(ids)
-        asks.append(engines[src].fusion_export.remote(keys))
+        asks.append(engines[src].fusion_export.remote(run, keys))
     asked = {k for got in ray.get(asks, timeout=60) for k in got}
     for k in [k for k in route if k not in asked]:
         del route[k]  # finished before the export reached it: collected where it ran
+
+
+def fusion_metrics(generator: Any) -> dict[str, float]:
+    """The plugins' counters for the batch the generator made last (each reported once): what
+    OpenRLHF's ``train_step`` status carries to its logger, wandb and tensorboard."""
+    out: dict[str, float] = {}
+    stats = generator.__dict__.pop("_fusion_stats", None) if generator is not None else None
+    if stats is not None:
+        out["fusion/samples"] = stats.samples
+        out["fusion/requests"] = stats.requests
+        out["fusion/migrated_samples"] = len(stats.migrated)
+    scoring = (generator.__dict__.pop("_fusion_scoring_stats", None)
+               if generator is not None else None)
+    if scoring is not None:
+        out["fusion/scoring_micro_batches"] = scoring.micro_batches
+        out["fusion/scoring_waves"] = sum(scoring.waves.values())
+        if scoring.first_dispatch_at is not None and scoring.finished_at is not None:
+            # how long before the last sample the first forwards went out: the overlap
+            out["fusion/scoring_lead_s"] = scoring.finished_at - scoring.first_dispatch_at
+    return out
+
+
+def fusion_train_step(self: Any, rollout_samples: Any, global_step: int) -> Any:
+    """Stock ``BasePPOTrainer.train_step``, its status with the plugins' counters added."""
+    from . import plugins
+
+    status, step = plugins._INSTALLED["stream"]["train_step"](self, rollout_samples, global_step)
+    status.update(fusion_metrics(getattr(self, "samples_generator", None)))
+    return status, step

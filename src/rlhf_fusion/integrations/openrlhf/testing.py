@@ -108,6 +108,11 @@ class CharTokenizer:
     """A toy Hugging Face-style tokenizer: one id per character (ids 1..), ``decode`` back."""
 
     pad_token_id = 0  # OpenRLHF pads micro-batches with it (Experience.concat_experiences)
+    pickles = 0  # times serialised in this process (tests: it travels once per engine)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        CharTokenizer.pickles += 1
+        return (CharTokenizer, ())
 
     def __call__(self, text: str, add_special_tokens: bool = False,
                  return_tensors: str | None = None) -> dict[str, Any]:
