@@ -214,7 +214,7 @@ class FusedRolloutMixin:
         if self._fusion_backend is None:
             dtype = getattr(torch, self.fusion.generation_dtype)
             self._fusion_backend = ReferenceBackend(
-                copy.deepcopy(policy), instance_id=t.accelerator.process_index,
+                _generation_copy(policy), instance_id=t.accelerator.process_index,
                 max_batch_size=self.fusion.max_batch_size, dtype=dtype,
                 device=t.accelerator.device)
         else:
@@ -412,10 +412,43 @@ class FusedRolloutMixin:
         """Whether TRL computes the policy's logprobs of the batch at generation time."""
         return False
 
+    def _ref_pass(self) -> tuple[Any, Any] | None:
+        """``(model, context)`` TRL's Ref logprob pass runs: ``ref_model``, or with PEFT the
+        policy with its adapters disabled (or its ``"ref"`` adapter active), as TRL's
+        ``_generate_and_score_completions`` does; None without a KL term."""
+        t: Any = self
+        if t.beta == 0.0:
+            return None
+        if t.ref_model is not None:
+            return t.ref_model, contextlib.nullcontext()
+        net = t.accelerator.unwrap_model(t.model)
+        if _peft_ref_active(net) is None:
+            return None  # neither a Ref model nor PEFT: TRL computes no Ref pass either
+        use_adapter = getattr(_stock_module(self._stock), "use_adapter", None)
+        if use_adapter is None:  # pragma: no cover - imported by every supported TRL
+            from trl.trainer.utils import use_adapter
+        name = "ref" if "ref" in net.peft_config else None
+        return t.model, use_adapter(net, adapter_name=name)
+
+    def _logps_role(self, model: Any) -> str | None:
+        """Which streamed pass a logprob request is: ``"ref"``, ``"old"`` or None (neither).
+
+        With PEFT the Ref pass is the policy object itself with its adapters disabled, so
+        object identity alone cannot tell the Ref pass from the policy's; the adapter state
+        does."""
+        t: Any = self
+        if model is None:
+            return None
+        if model is t.ref_model:
+            return "ref"
+        if model is not t.model:
+            return None
+        ref_active = _peft_ref_active(t.accelerator.unwrap_model(model))
+        return "ref" if ref_active else "old"
+
     def _streamed_logps(self, model: Any, input_ids: torch.Tensor, logits_to_keep: int,
                         args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
         batch = self._fusion_batch
-        t: Any = self
         if batch is None or not batch.done or torch.is_grad_enabled():
             return None
         if kwargs.get("compute_entropy") or kwargs.get("compute_aux_loss") or len(args) > 1:
@@ -423,8 +456,7 @@ class FusedRolloutMixin:
         if any(k in kwargs and kwargs[k] is not None for k in ("pixel_values", "token_type_ids",
                                                                "mm_token_type_ids")):
             return None
-        role = "ref" if model is t.ref_model and model is not None else (
-            "old" if model is t.model else None)
+        role = self._logps_role(model)
         if role is None:
             return None
         rows = batch.rows(role)
@@ -501,13 +533,14 @@ class _StreamScorer:
         trainer = self.trainer
         scored = [_Scored(s.sample_id) for s in samples]
         ids, mask, width = self._tensors(samples)
-        logps = []
-        if t.beta != 0.0 and t.ref_model is not None:
-            logps.append(("ref", t.ref_model))
+        logps: list[tuple[str, Any, Any]] = []
+        ref = trainer._ref_pass()
+        if ref is not None:
+            logps.append(("ref", *ref))
         if trainer._needs_old_logps():
-            logps.append(("old", t.model))
-        for role, model in logps:
-            with torch.no_grad(), _no_checkpointing(t):
+            logps.append(("old", t.model, contextlib.nullcontext()))
+        for role, model, context in logps:
+            with torch.no_grad(), _no_checkpointing(t), context:
                 lp, _, _ = self.trainer._stock._get_per_token_logps_and_entropies(
                     trainer, model, ids, mask, width, batch_size=len(samples))
             for j, (sc, s) in enumerate(zip(scored, samples)):
@@ -522,6 +555,38 @@ class _StreamScorer:
         for j, sc in enumerate(scored):
             sc.rewards = rewards[j].detach().cpu()
         return scored
+
+
+def _generation_copy(policy: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``policy`` that runs its own classes' code and nothing of the live model.
+
+    ``copy.deepcopy`` keeps per-instance method overrides, and those can close over the live
+    model: TRL 1.16's ``add_fused_lm_head`` sets ``policy.forward`` to a function that calls the
+    original bound ``forward`` of the live policy, so a deepcopy's forward would run the live
+    model (train mode, its own attention, no paged KV). Every module of the copy drops such
+    instance attributes that shadow a method of its class.
+    """
+    clone = copy.deepcopy(policy)
+    for module in clone.modules():
+        for name, value in list(vars(module).items()):
+            if (callable(value) and not isinstance(value, torch.nn.Module)
+                    and callable(getattr(type(module), name, None))):
+                delattr(module, name)
+    return clone
+
+
+def _peft_ref_active(net: Any) -> bool | None:
+    """Whether a PEFT model runs as TRL's Ref (adapters disabled, or the ``"ref"`` adapter
+    active); None for a model without PEFT."""
+    config = getattr(net, "peft_config", None)
+    if not isinstance(config, dict) or not hasattr(net, "active_adapters"):
+        return None
+    disabled = getattr(net, "_adapters_disabled", None)
+    if disabled is None:  # PEFT without the model-level flag: ask the adapter layers
+        disabled = any(getattr(m, "_disable_adapters", False) for m in net.modules())
+    if disabled:
+        return True
+    return "ref" in config and "ref" in list(net.active_adapters)
 
 
 def _has_fused_head(forward: Any) -> bool:
