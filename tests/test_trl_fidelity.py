@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import types
 import warnings
 
 import pytest
@@ -22,11 +23,13 @@ torch = pytest.importorskip("torch")
 
 from trl import GRPOConfig, RLOOConfig  # noqa: E402
 
+from rlhf_fusion.integrations.trl.compat import generation_copy  # noqa: E402
 from rlhf_fusion.integrations.trl.grpo import FusedGRPOTrainer  # noqa: E402
 from rlhf_fusion.integrations.trl.rloo import FusedRLOOTrainer  # noqa: E402
 from rlhf_fusion.testing.trl import (  # noqa: E402
     byte_bpe_tokenizer,
     length_reward,
+    tiny_causal_lm,
     tiny_family_model_dir,
     tiny_prompt_dataset,
     vowel_reward,
@@ -76,6 +79,31 @@ def token_logps(net, ids, mask, keep):
     logits = net(input_ids=ids, attention_mask=mask).logits[:, -keep - 1:-1].float()
     logp = torch.log_softmax(logits / TEMPERATURE, dim=-1)
     return logp.gather(-1, ids[:, -keep:, None])[..., 0]
+
+
+def test_generation_copy_drops_what_was_patched_onto_the_instance():
+    """On every TRL, including those that patch nothing: a per-instance ``forward`` made the
+    way TRL 1.16's ``add_fused_lm_head`` makes it (closing over the live bound forward)."""
+    model = tiny_causal_lm(40)
+    live_forward = model.forward
+    calls = []
+
+    def patched(self, *args, **kwargs):
+        calls.append(self)
+        return live_forward(*args, **kwargs)
+
+    model.forward = types.MethodType(patched, model)
+    clone = generation_copy(model)
+    assert "forward" in vars(model) and "forward" not in vars(clone)
+    ids = torch.tensor([[3, 4, 5, 6]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        calls.clear()
+        got = clone(input_ids=ids).logits
+    assert calls == []  # the copy never ran the live model
+    assert torch.equal(got, want)
+    live = {p.data_ptr() for p in model.parameters()}
+    assert not live & {p.data_ptr() for p in clone.parameters()}
 
 
 @pytest.mark.parametrize("family", ["gpt2", "qwen2"])

@@ -25,7 +25,6 @@ tokens; positions past a completion's end (which TRL masks) hold :data:`REF_PAD_
 from __future__ import annotations
 
 import contextlib
-import copy
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +35,7 @@ import torch
 from ...rollout.reference import ReferenceBackend
 from ...rollout.sampling import derive_seed
 from ...rollout.types import SampleResult, SampleSpec
-from .compat import check_trl_seams, logps_options, uses_fused_lm_head
+from .compat import check_trl_seams, generation_copy, logps_options, uses_fused_lm_head
 from .fusion import FusionConfig, FusionConfigError
 from .packing import Packed, attention_mask_for, completion_targets, pack
 
@@ -214,7 +213,7 @@ class FusedRolloutMixin:
         if self._fusion_backend is None:
             dtype = getattr(torch, self.fusion.generation_dtype)
             self._fusion_backend = ReferenceBackend(
-                _generation_copy(policy), instance_id=t.accelerator.process_index,
+                generation_copy(policy), instance_id=t.accelerator.process_index,
                 max_batch_size=self.fusion.max_batch_size, dtype=dtype,
                 device=t.accelerator.device)
         else:
@@ -555,24 +554,6 @@ class _StreamScorer:
         for j, sc in enumerate(scored):
             sc.rewards = rewards[j].detach().cpu()
         return scored
-
-
-def _generation_copy(policy: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``policy`` that runs its own classes' code and nothing of the live model.
-
-    ``copy.deepcopy`` keeps per-instance method overrides, and those can close over the live
-    model: TRL 1.16's ``add_fused_lm_head`` sets ``policy.forward`` to a function that calls the
-    original bound ``forward`` of the live policy, so a deepcopy's forward would run the live
-    model (train mode, its own attention, no paged KV). Every module of the copy drops such
-    instance attributes that shadow a method of its class.
-    """
-    clone = copy.deepcopy(policy)
-    for module in clone.modules():
-        for name, value in list(vars(module).items()):
-            if (callable(value) and not isinstance(value, torch.nn.Module)
-                    and callable(getattr(type(module), name, None))):
-                delattr(module, name)
-    return clone
 
 
 def _peft_ref_active(net: Any) -> bool | None:
