@@ -100,7 +100,7 @@ def check_trl_seams(stock: type, seams: Seams) -> None:
              f"{lo} through {hi}")
     problems = []
     for name, accepted in seams.items():
-        fn = getattr(stock, name, None)
+        fn = _seam_impl(stock, name)
         if fn is None:
             problems.append(f"{stock.__name__}.{name} is missing")
             continue
@@ -127,7 +127,23 @@ def logps_options(stock: type) -> tuple[str, ...]:
     """The parameters of ``stock._get_per_token_logps_and_entropies`` after ``logits_to_keep``
     (``batch_size``, ``compute_entropy``, then per version ``compute_aux_loss`` and the
     multimodal inputs), in order, so positional arguments can be named."""
-    return _params(stock._get_per_token_logps_and_entropies)[4:]  # type: ignore[attr-defined]
+    return _params(_seam_impl(stock, "_get_per_token_logps_and_entropies"))[4:]
+
+
+def _seam_impl(stock: type, name: str) -> object | None:
+    """The function whose parameters are ``stock.name``'s API.
+
+    TRL 1.14's GRPO ``_get_per_token_logps_and_entropies(model, *args, batch_size=None,
+    compute_aux_loss=False, **kwargs)`` only dispatches: everything but Liger goes to
+    ``_full_logits_logps`` with the arguments unchanged, so that method's parameters are the
+    ones callers (TRL's and ours) pass.
+    """
+    fn = getattr(stock, name, None)
+    if name == "_get_per_token_logps_and_entropies" and fn is not None:
+        impl = getattr(stock, "_full_logits_logps", None)
+        if impl is not None and _params(fn)[1:2] == ("args",):
+            return impl
+    return fn
 
 
 def uses_fused_lm_head(stock: type) -> bool:
