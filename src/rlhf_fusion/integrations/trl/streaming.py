@@ -75,6 +75,17 @@ def _stock_module(stock: type) -> Any:
     return sys.modules[stock.__module__]
 
 
+def _trl_function(stock: type, name: str) -> Any:
+    """TRL's ``name`` as the trainer module uses it, else from ``trl.trainer.utils`` (TRL 1.14's
+    trainers import ``selective_log_softmax_and_entropy`` instead of ``entropy_from_logits``)."""
+    fn = getattr(_stock_module(stock), name, None)
+    if fn is None:
+        from trl.trainer import utils
+
+        fn = getattr(utils, name)
+    return fn
+
+
 @contextlib.contextmanager
 def _local_gather(stock: type) -> Iterator[None]:
     """TRL's ``_calculate_rewards`` ends in a cross-process ``gather``; a micro-batch scored by
@@ -383,16 +394,16 @@ class FusedRolloutMixin:
                 return None, None, tg.out
             ent = torch.nn.functional.pad(out.entropy, (1, 0)).reshape(-1)[tg.token]
             return lp, ent, tg.out
-        module = _stock_module(self._stock)
         out = model(**inputs, use_cache=False)
         logits = out.logits.reshape(-1, out.logits.size(-1))[tg.pred] / t.temperature  # [M, V]
-        lp = module.selective_log_softmax(logits[None], ids[tg.token][None])[0]
+        lp = _trl_function(self._stock, "selective_log_softmax")(logits[None],
+                                                                  ids[tg.token][None])[0]
         ent = None
         if compute_entropy:
             # As TRL: entropies carry grad only when the entropy bonus is a loss term.
             with torch.set_grad_enabled(torch.is_grad_enabled()
                                         and bool(getattr(t, "_entropy_bonus_enabled", False))):
-                ent = module.entropy_from_logits(logits)
+                ent = _trl_function(self._stock, "entropy_from_logits")(logits)
         return lp, ent, tg.out
 
     # -- scoring --------------------------------------------------------------------------------
