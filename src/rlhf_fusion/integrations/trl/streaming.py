@@ -12,6 +12,8 @@ seams; TRL's own ``_generate_and_score_completions`` still runs the whole step:
   instead of recomputing them. Other logprob passes (the training loss among them) run
   padding-free with ``fusion.padding_free`` where the model and inputs allow it
   (see :meth:`FusedRolloutMixin._padding_free_logps`); anything else goes to TRL unchanged.
+  With PEFT, TRL's Ref is the policy object with its adapters disabled, so which pass a
+  request is comes from the adapter state, not from which model object is passed.
 
 With several accelerate processes and ``fusion.migrate``, the rollout runs through
 :func:`rlhf_fusion.rollout.distributed.run_rollout`, which moves the long tail to fewer
