@@ -25,6 +25,17 @@ INFER = InferenceModels(build_causal_lm(CFG, 2), build_value_model(CFG, 3),
 TOL = 1e-5  # the bar: logprobs (and scores) within 1e-5 of the serial run
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_intra_op_thread():
+    # Thousands of tiny forwards: with 2+ intra-op threads on a loaded 2-core machine each
+    # matmul waits on a busy peer thread, which made this module ~100x slower (737 s loaded).
+    # Serial and fused runs both use one thread, so what is compared does not change.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def backends(n, bs_max, block_size=4):
     return [ReferenceBackend(ACTOR, instance_id=i, max_batch_size=bs_max, block_size=block_size)
             for i in range(n)]

@@ -16,6 +16,8 @@ import torch
 
 __all__ = [
     "CHARS",
+    "byte_bpe_tokenizer",
+    "tiny_family_model_dir",
     "tiny_causal_lm",
     "tiny_model_dir",
     "tiny_prompt_dataset",
@@ -82,6 +84,51 @@ def tiny_model_dir(path: str | Path, seed: int = 0, *, eos_bias: float = 0.0,
     tok.save_pretrained(str(path))
     tiny_causal_lm(len(tok), seed, eos_bias=eos_bias, hidden_size=hidden_size, layers=layers,
                    max_positions=max_positions).save_pretrained(str(path))
+    return str(path)
+
+
+def byte_bpe_tokenizer(vocab_size: int = 320) -> Any:
+    """A byte-level BPE tokenizer (GPT-2's scheme) trained here on the prompts and a little
+    text: ``<pad>`` = 0, ``</s>`` = 1 (eos), the 256 byte symbols, then merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    corpus = [*_PROMPTS, "the quick brown fox jumps over the lazy dog", "tell me more, please!",
+              "once upon a time there was a tiny model", "what is the answer? it is one."] * 4
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=["<pad>", "</s>"], show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="</s>", pad_token="<pad>")
+
+
+def tiny_family_model_dir(path: str | Path, family: str, seed: int = 0,
+                          hidden_size: int = 32, layers: int = 2) -> str:
+    """Save :func:`byte_bpe_tokenizer` and a tiny ``family`` model (``"gpt2"``: GPT-2's
+    defaults, tied embeddings and dropout 0.1; ``"qwen2"``: tied embeddings, grouped KV heads,
+    as Qwen2.5-0.5B) as a Hub-style directory; returns the path as a string."""
+    import transformers
+
+    tok = byte_bpe_tokenizer()
+    ids = dict(vocab_size=len(tok), eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+               bos_token_id=tok.eos_token_id)
+    if family == "gpt2":
+        cfg: Any = transformers.GPT2Config(n_embd=hidden_size, n_layer=layers, n_head=4,
+                                           n_positions=256, **ids)
+        cls: Any = transformers.GPT2LMHeadModel
+    elif family == "qwen2":
+        cfg = transformers.Qwen2Config(hidden_size=hidden_size, intermediate_size=2 * hidden_size,
+                                       num_hidden_layers=layers, num_attention_heads=4,
+                                       num_key_value_heads=2, max_position_embeddings=256,
+                                       tie_word_embeddings=True, **ids)
+        cls = transformers.Qwen2ForCausalLM
+    else:
+        raise ValueError(f"family={family!r}: use 'gpt2' or 'qwen2'")
+    torch.manual_seed(seed)
+    tok.save_pretrained(str(path))
+    cls(cfg).save_pretrained(str(path))
     return str(path)
 
 

@@ -5,6 +5,7 @@ The fused trainers override private TRL methods (the seams listed in :data:`GRPO
 ``_generate_single_turn`` gained ``num_generations`` in 1.14), so every construction checks the
 installed signatures first: an unsupported TRL fails with the installed version and the
 supported range, instead of a ``TypeError`` deep inside the first training step.
+:func:`generation_copy` copies a policy without what a TRL release patched onto the instance.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import inspect
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 __all__ = [
     "GRPO_SEAMS",
@@ -20,6 +22,7 @@ __all__ = [
     "SUPPORTED_TRL",
     "TRLCompatError",
     "check_trl_seams",
+    "generation_copy",
     "logps_options",
     "trl_version",
     "uses_fused_lm_head",
@@ -97,7 +100,7 @@ def check_trl_seams(stock: type, seams: Seams) -> None:
              f"{lo} through {hi}")
     problems = []
     for name, accepted in seams.items():
-        fn = getattr(stock, name, None)
+        fn = _seam_impl(stock, name)
         if fn is None:
             problems.append(f"{stock.__name__}.{name} is missing")
             continue
@@ -124,7 +127,23 @@ def logps_options(stock: type) -> tuple[str, ...]:
     """The parameters of ``stock._get_per_token_logps_and_entropies`` after ``logits_to_keep``
     (``batch_size``, ``compute_entropy``, then per version ``compute_aux_loss`` and the
     multimodal inputs), in order, so positional arguments can be named."""
-    return _params(stock._get_per_token_logps_and_entropies)[4:]  # type: ignore[attr-defined]
+    return _params(_seam_impl(stock, "_get_per_token_logps_and_entropies"))[4:]
+
+
+def _seam_impl(stock: type, name: str) -> object | None:
+    """The function whose parameters are ``stock.name``'s API.
+
+    TRL 1.14's GRPO ``_get_per_token_logps_and_entropies(model, *args, batch_size=None,
+    compute_aux_loss=False, **kwargs)`` only dispatches: everything but Liger goes to
+    ``_full_logits_logps`` with the arguments unchanged, so that method's parameters are the
+    ones callers (TRL's and ours) pass.
+    """
+    fn = getattr(stock, name, None)
+    if name == "_get_per_token_logps_and_entropies" and fn is not None:
+        impl = getattr(stock, "_full_logits_logps", None)
+        if impl is not None and _params(fn)[1:2] == ("args",):
+            return impl
+    return fn
 
 
 def uses_fused_lm_head(stock: type) -> bool:
@@ -133,6 +152,28 @@ def uses_fused_lm_head(stock: type) -> bool:
     ``model(..., labels=..., fused_lm_head=True)``) rather than from the model's logits."""
     module = sys.modules.get(stock.__module__)
     return callable(getattr(module, "add_fused_lm_head", None))
+
+
+def generation_copy(policy: Any) -> Any:
+    """A copy of ``policy`` that runs its own classes' code and nothing of the live model.
+
+    ``copy.deepcopy`` keeps per-instance method overrides, and those can close over the live
+    model: TRL 1.16's ``add_fused_lm_head`` sets ``policy.forward`` to a function that calls the
+    original bound ``forward`` of the live policy, so a deepcopy's forward would run the live
+    model (train mode, its own attention, no paged KV). Every module of the copy drops such
+    instance attributes that shadow a method of its class.
+    """
+    import copy
+
+    import torch
+
+    clone = copy.deepcopy(policy)
+    for module in clone.modules():
+        for name, value in list(vars(module).items()):
+            if (callable(value) and not isinstance(value, torch.nn.Module)
+                    and callable(getattr(type(module), name, None))):
+                delattr(module, name)
+    return clone
 
 
 def _next(version: str) -> str:

@@ -18,7 +18,6 @@ stock algorithm step for step. One iteration, top to bottom (:meth:`FusedPPOTrai
 
 from __future__ import annotations
 
-import copy
 import math
 import os
 import time
@@ -31,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 from transformers import TrainerState
 
+from .compat import generation_copy
 from .experience import (
     PolicyTerms,
     PPOExperience,
@@ -380,7 +380,7 @@ class FusedPPOTrainer(_BaseTrainer):
 
         # Its own copy of the Actor: its own dtype and attention implementation.
         return ReferenceBackend(
-            copy.deepcopy(policy), instance_id=self.accelerator.process_index,
+            generation_copy(policy), instance_id=self.accelerator.process_index,
             max_batch_size=self.fusion.max_batch_size,
             dtype=getattr(torch, self.fusion.generation_dtype), device=self.accelerator.device)
 

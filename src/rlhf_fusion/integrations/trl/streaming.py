@@ -12,6 +12,8 @@ seams; TRL's own ``_generate_and_score_completions`` still runs the whole step:
   instead of recomputing them. Other logprob passes (the training loss among them) run
   padding-free with ``fusion.padding_free`` where the model and inputs allow it
   (see :meth:`FusedRolloutMixin._padding_free_logps`); anything else goes to TRL unchanged.
+  With PEFT, TRL's Ref is the policy object with its adapters disabled, so which pass a
+  request is comes from the adapter state, not from which model object is passed.
 
 With several accelerate processes and ``fusion.migrate``, the rollout runs through
 :func:`rlhf_fusion.rollout.distributed.run_rollout`, which moves the long tail to fewer
@@ -25,7 +27,6 @@ tokens; positions past a completion's end (which TRL masks) hold :data:`REF_PAD_
 from __future__ import annotations
 
 import contextlib
-import copy
 import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -36,7 +37,7 @@ import torch
 from ...rollout.reference import ReferenceBackend
 from ...rollout.sampling import derive_seed
 from ...rollout.types import SampleResult, SampleSpec
-from .compat import check_trl_seams, logps_options, uses_fused_lm_head
+from .compat import check_trl_seams, generation_copy, logps_options, uses_fused_lm_head
 from .fusion import FusionConfig, FusionConfigError, vllm_generation_backend
 from .packing import Packed, attention_mask_for, completion_targets, pack
 
@@ -74,6 +75,17 @@ class _Batch:
 
 def _stock_module(stock: type) -> Any:
     return sys.modules[stock.__module__]
+
+
+def _trl_function(stock: type, name: str) -> Any:
+    """TRL's ``name`` as the trainer module uses it, else from ``trl.trainer.utils`` (TRL 1.14's
+    trainers import ``selective_log_softmax_and_entropy`` instead of ``entropy_from_logits``)."""
+    fn = getattr(_stock_module(stock), name, None)
+    if fn is None:
+        from trl.trainer import utils
+
+        fn = getattr(utils, name)
+    return fn
 
 
 @contextlib.contextmanager
@@ -216,7 +228,7 @@ class FusedRolloutMixin:
         if self._fusion_backend is None:
             dtype = getattr(torch, self.fusion.generation_dtype)
             self._fusion_backend = ReferenceBackend(
-                copy.deepcopy(policy), instance_id=t.accelerator.process_index,
+                generation_copy(policy), instance_id=t.accelerator.process_index,
                 max_batch_size=self.fusion.max_batch_size, dtype=dtype,
                 device=t.accelerator.device)
         else:
@@ -386,16 +398,16 @@ class FusedRolloutMixin:
                 return None, None, tg.out
             ent = torch.nn.functional.pad(out.entropy, (1, 0)).reshape(-1)[tg.token]
             return lp, ent, tg.out
-        module = _stock_module(self._stock)
         out = model(**inputs, use_cache=False)
         logits = out.logits.reshape(-1, out.logits.size(-1))[tg.pred] / t.temperature  # [M, V]
-        lp = module.selective_log_softmax(logits[None], ids[tg.token][None])[0]
+        lp = _trl_function(self._stock, "selective_log_softmax")(logits[None],
+                                                                  ids[tg.token][None])[0]
         ent = None
         if compute_entropy:
             # As TRL: entropies carry grad only when the entropy bonus is a loss term.
             with torch.set_grad_enabled(torch.is_grad_enabled()
                                         and bool(getattr(t, "_entropy_bonus_enabled", False))):
-                ent = module.entropy_from_logits(logits)
+                ent = _trl_function(self._stock, "entropy_from_logits")(logits)
         return lp, ent, tg.out
 
     # -- scoring --------------------------------------------------------------------------------
@@ -414,10 +426,43 @@ class FusedRolloutMixin:
         """Whether TRL computes the policy's logprobs of the batch at generation time."""
         return False
 
+    def _ref_pass(self) -> tuple[Any, Any] | None:
+        """``(model, context)`` TRL's Ref logprob pass runs: ``ref_model``, or with PEFT the
+        policy with its adapters disabled (or its ``"ref"`` adapter active), as TRL's
+        ``_generate_and_score_completions`` does; None without a KL term."""
+        t: Any = self
+        if t.beta == 0.0:
+            return None
+        if t.ref_model is not None:
+            return t.ref_model, contextlib.nullcontext()
+        net = t.accelerator.unwrap_model(t.model)
+        if _peft_ref_active(net) is None:
+            return None  # neither a Ref model nor PEFT: TRL computes no Ref pass either
+        use_adapter = getattr(_stock_module(self._stock), "use_adapter", None)
+        if use_adapter is None:  # pragma: no cover - imported by every supported TRL
+            from trl.trainer.utils import use_adapter
+        name = "ref" if "ref" in net.peft_config else None
+        return t.model, use_adapter(net, adapter_name=name)
+
+    def _logps_role(self, model: Any) -> str | None:
+        """Which streamed pass a logprob request is: ``"ref"``, ``"old"`` or None (neither).
+
+        With PEFT the Ref pass is the policy object itself with its adapters disabled, so
+        object identity alone cannot tell the Ref pass from the policy's; the adapter state
+        does."""
+        t: Any = self
+        if model is None:
+            return None
+        if model is t.ref_model:
+            return "ref"
+        if model is not t.model:
+            return None
+        ref_active = _peft_ref_active(t.accelerator.unwrap_model(model))
+        return "ref" if ref_active else "old"
+
     def _streamed_logps(self, model: Any, input_ids: torch.Tensor, logits_to_keep: int,
                         args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
         batch = self._fusion_batch
-        t: Any = self
         if batch is None or not batch.done or torch.is_grad_enabled():
             return None
         if kwargs.get("compute_entropy") or kwargs.get("compute_aux_loss") or len(args) > 1:
@@ -425,8 +470,7 @@ class FusedRolloutMixin:
         if any(k in kwargs and kwargs[k] is not None for k in ("pixel_values", "token_type_ids",
                                                                "mm_token_type_ids")):
             return None
-        role = "ref" if model is t.ref_model and model is not None else (
-            "old" if model is t.model else None)
+        role = self._logps_role(model)
         if role is None:
             return None
         rows = batch.rows(role)
@@ -503,13 +547,14 @@ class _StreamScorer:
         trainer = self.trainer
         scored = [_Scored(s.sample_id) for s in samples]
         ids, mask, width = self._tensors(samples)
-        logps = []
-        if t.beta != 0.0 and t.ref_model is not None:
-            logps.append(("ref", t.ref_model))
+        logps: list[tuple[str, Any, Any]] = []
+        ref = trainer._ref_pass()
+        if ref is not None:
+            logps.append(("ref", *ref))
         if trainer._needs_old_logps():
-            logps.append(("old", t.model))
-        for role, model in logps:
-            with torch.no_grad(), _no_checkpointing(t):
+            logps.append(("old", t.model, contextlib.nullcontext()))
+        for role, model, context in logps:
+            with torch.no_grad(), _no_checkpointing(t), context:
                 lp, _, _ = self.trainer._stock._get_per_token_logps_and_entropies(
                     trainer, model, ids, mask, width, batch_size=len(samples))
             for j, (sc, s) in enumerate(zip(scored, samples)):
@@ -524,6 +569,20 @@ class _StreamScorer:
         for j, sc in enumerate(scored):
             sc.rewards = rewards[j].detach().cpu()
         return scored
+
+
+def _peft_ref_active(net: Any) -> bool | None:
+    """Whether a PEFT model runs as TRL's Ref (adapters disabled, or the ``"ref"`` adapter
+    active); None for a model without PEFT."""
+    config = getattr(net, "peft_config", None)
+    if not isinstance(config, dict) or not hasattr(net, "active_adapters"):
+        return None
+    disabled = getattr(net, "_adapters_disabled", None)
+    if disabled is None:  # PEFT without the model-level flag: ask the adapter layers
+        disabled = any(getattr(m, "_disable_adapters", False) for m in net.modules())
+    if disabled:
+        return True
+    return "ref" in config and "ref" in list(net.active_adapters)
 
 
 def _has_fused_head(forward: Any) -> bool:
