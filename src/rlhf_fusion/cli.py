@@ -93,19 +93,29 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .launch import RunInterrupted, raise_on_signals
     from .loop import LoopConfigError, RLHFConfig, load_prompts, train
+    from .loop.checkpoint import complete_checkpoints
     from .loop.demo import demo_prompts
 
+    raise_on_signals()  # SIGTERM/SIGINT: stop every rank, keep the last complete checkpoint
     try:
         cfg = RLHFConfig.from_file(args.config)
         if args.iterations is not None:
             cfg.iterations = args.iterations
         prompts = load_prompts(cfg.prompts) if cfg.prompts else demo_prompts()
         train(cfg, prompts, out_dir=args.out, checkpoint_every=args.checkpoint_every,
-              resume=args.resume)
+              resume=args.resume, overwrite=args.overwrite,
+              keep_checkpoints=args.keep_checkpoints)
     except LoopConfigError as exc:
         print(f"rlhf-fusion train: error: {exc}", file=sys.stderr)
         return 2
+    except RunInterrupted as exc:
+        done = complete_checkpoints(args.out)
+        where = (f"the last complete checkpoint is {done[-1][1]}; continue with --resume"
+                 if done else "no checkpoint was complete")
+        print(f"\nrlhf-fusion train: {exc}; every rank stopped, {where}", file=sys.stderr)
+        return 128 + exc.signum
     return 0
 
 
@@ -210,12 +220,19 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the serial baseline (no inter- or intra-stage fusion)")
     d.set_defaults(func=cmd_demo)
 
-    t = sub.add_parser("train", help="run PPO from a YAML/JSON config (models, prompts, knobs)")
+    t = sub.add_parser("train", help="run PPO from a YAML/JSON config (models, prompts, knobs)",
+                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     t.add_argument("config", help="RLHFConfig as YAML or JSON (see docs/loop.md)")
     t.add_argument("--out", default="rlhf-fusion-run", help="metrics and checkpoints go here")
     t.add_argument("--iterations", type=int, default=None, help="override config.iterations")
-    t.add_argument("--checkpoint-every", type=int, default=1, help="iterations per checkpoint")
-    t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    t.add_argument("--checkpoint-every", type=int, default=1,
+                   help="iterations per checkpoint (0: none)")
+    t.add_argument("--keep-checkpoints", type=int, default=2, metavar="K",
+                   help="keep the newest K checkpoints, delete older ones (0: keep all)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest complete checkpoint")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start over in a non-empty --out (deletes its metrics and checkpoints)")
     t.set_defaults(func=cmd_train)
 
     pd = sub.add_parser("plan-demo", help="plan a fused schedule for a built-in setting, plot it")
