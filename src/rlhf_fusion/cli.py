@@ -93,7 +93,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .launch import RunInterrupted, raise_on_signals
+    from .launch import RunInterrupted, exit_promptly, raise_on_signals
     from .loop import LoopConfigError, RLHFConfig, load_prompts, train
     from .loop.checkpoint import complete_checkpoints
     from .loop.demo import demo_prompts
@@ -115,7 +115,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         where = (f"the last complete checkpoint is {done[-1][1]}; continue with --resume"
                  if done else "no checkpoint was complete")
         print(f"\nrlhf-fusion train: {exc}; every rank stopped, {where}", file=sys.stderr)
-        return 128 + exc.signum
+        exit_promptly(128 + exc.signum)
     return 0
 
 

@@ -198,7 +198,6 @@ def run_rollout(
         results = done
     else:
         assert rt is not None and m is not None
-        note_stage("generation until the migration trigger", 1)
         with r.store_errors("generating until the trigger"):
             _generate_until_trigger(r, backend, rt, done)
         stats["trigger_s"] = time.perf_counter() - t0
@@ -272,6 +271,7 @@ def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
     store.set(mine, str(published))
     store.set(alive[r.rank], "0")
     r.gather(None, "start of generation")  # every count key exists before anyone reads them
+    note_stage("generation until the migration trigger", 1)
     beats = {i: ("0", time.perf_counter()) for i in range(r.world) if i != r.rank}
     last_hb = time.perf_counter()
     steps = 0
