@@ -342,3 +342,48 @@ def test_a_non_empty_out_needs_resume_or_overwrite(tmp_path, monkeypatch, capsys
     help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
     assert "--keep-checkpoints K" in help_text and "(default: 2)" in help_text
     assert "(default: 1)" in help_text  # --checkpoint-every
+
+
+LIGHTNING_RUN = """
+import sys
+import lightning as L
+from torch.utils.data import DataLoader
+from rlhf_fusion.loop import RLHFConfig
+from rlhf_fusion.loop.demo import demo_prompts
+from rlhf_fusion.plugins import RLHFLoopStrategy, RLHFModule
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    cfg = RLHFConfig.from_file(sys.argv[2])
+    data = DataLoader(demo_prompts()[:8] * 50, batch_size=8, shuffle=False, drop_last=True)
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=out, every_n_train_steps=1,
+                                               save_top_k=-1, filename="{step}")
+    L.Trainer(accelerator="cpu", devices=2, max_epochs=1, strategy=RLHFLoopStrategy(timeout_s=60),
+              logger=False, callbacks=[ckpt], enable_progress_bar=False,
+              enable_model_summary=False, num_sanity_val_steps=0).fit(RLHFModule(cfg), data)
+"""
+
+
+def test_sigterm_to_a_lightning_run_stops_every_worker_within_10s(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(TINY_YAML.format(iterations=1))
+    script = tmp_path / "fit.py"
+    script.write_text(LIGHTNING_RUN)
+    out = tmp_path / "ckpts"
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, str(script), str(out), str(config)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list(out.glob("*.ckpt")):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.1)
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    assert len([p for p in tree if "spawn_main" in " ".join(p.cmdline())]) == 2
+    os.kill(proc.pid, signal.SIGTERM)
+    took = _gone_within(tree, 10)
+    _, err = proc.communicate(timeout=10)
+    print(f"[lightning] SIGTERM: every process gone {took:.2f} s later")
+    assert proc.returncode == 1, err[-3000:]
+    assert "Detected KeyboardInterrupt, attempting graceful shutdown" in err
+    assert "Traceback" not in err and "leaked semaphore" not in err, err[-3000:]

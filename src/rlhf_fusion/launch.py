@@ -143,7 +143,9 @@ def orphaned() -> bool:
     return _parent_pid is not None and os.getppid() != _parent_pid
 
 
-def _die_with_parent(parent_pid: int) -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """Make this process end when ``parent_pid`` (its launcher) does: SIGKILL from the kernel
+    (``PR_SET_PDEATHSIG``, Linux) and, everywhere, a watchdog thread on the parent's pid."""
     global _parent_pid
     _parent_pid = parent_pid
     if sys.platform.startswith("linux"):
@@ -189,7 +191,7 @@ def _worker(
     stage: Any,
 ) -> None:
     global _stage_buf
-    _die_with_parent(parent_pid)
+    die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     _stage_buf = stage
     note_stage("start-up")
