@@ -53,7 +53,7 @@ iterations: {iterations}
 models: {{actor: {{family: llama, layers: 2, hidden: 32}}, seed: 3}}
 generation: {{prompts_per_iteration: 8, max_new_tokens: 24, seed: 5}}
 ppo: {{micro_batches: 2, num_mini_batches: 1, num_ppo_epochs: 1, learning_rate: 3.0e-3}}
-fusion: {{solver: greedy, rt: 0.5}}
+fusion: {{solver: greedy, rt: 0.5, inter: {inter}}}
 """
 
 
@@ -163,9 +163,10 @@ def test_the_trigger_wait_notices_a_dead_peer_by_its_heartbeat(tmp_path):
 
 # -- the CLI under real signals ---------------------------------------------------------------------
 
-def _cli(tmp_path: Path, out: Path, *args: str, iterations: int) -> subprocess.Popen:
+def _cli(tmp_path: Path, out: Path, *args: str, iterations: int,
+         inter: bool = True) -> subprocess.Popen:
     config = tmp_path / f"run{iterations}.yaml"
-    config.write_text(TINY_YAML.format(iterations=iterations))
+    config.write_text(TINY_YAML.format(iterations=iterations, inter=str(inter).lower()))
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
     return subprocess.Popen([sys.executable, "-m", "rlhf_fusion.cli", "train", str(config),
                              "--out", str(out), *args], env=env, stdout=subprocess.PIPE,
@@ -225,7 +226,7 @@ N = 10
 @pytest.fixture(scope="module")
 def reference_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("reference")
-    proc = _cli(tmp, tmp / "out", iterations=N)
+    proc = _cli(tmp, tmp / "out", iterations=N, inter=False)
     _, err = proc.communicate(timeout=600)
     assert proc.returncode == 0, err[-3000:]
     assert "leaked semaphore" not in err and "Traceback" not in err, err[-3000:]
@@ -238,7 +239,9 @@ def reference_run(tmp_path_factory):
 def test_sigterm_and_sigint_stop_every_rank_within_10s_and_resume_is_exact(
         tmp_path, reference_run, signum):
     out = tmp_path / "out"
-    proc = _cli(tmp_path, out, iterations=N)
+    # Inter-stage fusion off: its R_t follows measured times, so two fused runs may differ in
+    # the last bit of a metric, interrupted or not; resume itself is what is checked here.
+    proc = _cli(tmp_path, out, iterations=N, inter=False)
     _wait_rows(proc, out, 2)
     tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     assert any("resource_tracker" in " ".join(p.cmdline()) for p in tree[1:])
@@ -256,7 +259,7 @@ def test_sigterm_and_sigint_stop_every_rank_within_10s_and_resume_is_exact(
     done = complete_checkpoints(out)
     assert done and done[-1][0] < N, "the signal came after the run ended: raise N"
     assert not list(out.glob("checkpoints/*.partial/COMPLETE"))
-    resumed = _cli(tmp_path, out, "--resume", iterations=N)
+    resumed = _cli(tmp_path, out, "--resume", iterations=N, inter=False)
     _, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
     rows, ref = _rows(out), _rows(reference_run)
@@ -328,7 +331,7 @@ def test_a_non_empty_out_needs_resume_or_overwrite(tmp_path, monkeypatch, capsys
     with pytest.raises(LoopConfigError, match="--resume .* --overwrite"):
         train(tiny(), demo_prompts(), out_dir=tmp_path, progress=False)
     config = tmp_path.parent / f"{tmp_path.name}.yaml"
-    config.write_text(TINY_YAML.format(iterations=2))
+    config.write_text(TINY_YAML.format(iterations=2, inter="true"))
     assert main(["train", str(config), "--out", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert "--resume" in err and "--overwrite" in err and str(tmp_path) in err
@@ -366,7 +369,7 @@ if __name__ == "__main__":
 
 def test_sigterm_to_a_lightning_run_stops_every_worker_within_10s(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text(TINY_YAML.format(iterations=1))
+    config.write_text(TINY_YAML.format(iterations=1, inter="true"))
     script = tmp_path / "fit.py"
     script.write_text(LIGHTNING_RUN)
     out = tmp_path / "ckpts"
@@ -381,9 +384,10 @@ def test_sigterm_to_a_lightning_run_stops_every_worker_within_10s(tmp_path):
     tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     assert len([p for p in tree if "spawn_main" in " ".join(p.cmdline())]) == 2
     os.kill(proc.pid, signal.SIGTERM)
-    took = _gone_within(tree, 10)
-    _, err = proc.communicate(timeout=10)
-    print(f"[lightning] SIGTERM: every process gone {took:.2f} s later")
+    took = _gone_within(tree[1:], 10)
+    # The launching process then takes Lightning's interrupt path and torch's exit.
+    _, err = proc.communicate(timeout=60)
+    print(f"[lightning] SIGTERM: every worker gone {took:.2f} s later")
     assert proc.returncode == 1, err[-3000:]
     assert "Detected KeyboardInterrupt, attempting graceful shutdown" in err
     assert "Traceback" not in err and "leaked semaphore" not in err, err[-3000:]

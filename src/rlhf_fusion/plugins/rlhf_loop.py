@@ -71,8 +71,6 @@ class RLHFLoopLauncher(_MultiProcessingLauncher):
     @override
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None,
                **kwargs: Any) -> Any:
-        from ..launch import _stop
-
         self.procs = []
         previous = None
         if _in_main_thread():
@@ -80,7 +78,13 @@ class RLHFLoopLauncher(_MultiProcessingLauncher):
         try:
             return super().launch(function, *args, trainer=trainer, **kwargs)
         except BaseException:
-            _stop(self.procs, at_once=True)
+            # SIGKILL: Lightning's own SIGTERM handler in a worker only stops it at the next
+            # step's end, which can be minutes away.
+            for p in self.procs:
+                if p.is_alive():
+                    p.kill()
+            for p in self.procs:
+                p.join(timeout=5.0)
             raise
         finally:
             if previous is not None:
