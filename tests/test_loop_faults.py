@@ -275,10 +275,13 @@ def test_killing_the_launcher_leaves_no_rank_and_no_new_checkpoint(tmp_path):
     _wait_rows(proc, out, 2)
     ranks = psutil.Process(proc.pid).children(recursive=True)
     assert len([p for p in ranks if "spawn_main" in " ".join(p.cmdline())]) == 2
+    t0 = time.monotonic()
     os.kill(proc.pid, signal.SIGKILL)
     proc.communicate(timeout=10)   # the launcher is gone (a checkpoint finished before counts)
     before = complete_checkpoints(out)
-    took = _gone_within(ranks, 10)
+    _gone_within(ranks, 10)
+    took = time.monotonic() - t0
+    assert took < 10, took
     print(f"[launcher] SIGKILL: every rank gone {took:.2f} s later")
     time.sleep(1.0)
     after = complete_checkpoints(out)
@@ -309,13 +312,13 @@ def test_resume_skips_a_truncated_checkpoint_and_continues_exactly(tmp_path, cap
 
 
 def test_metrics_are_truncated_to_the_resumed_checkpoint(tmp_path):
-    cfg = tiny(1, inter=False, iterations=5)
+    cfg = tiny(1, inter=False, iterations=4)
     train(cfg, demo_prompts(), out_dir=tmp_path, checkpoint_every=2, stop_after=3,
           progress=False)
     assert [r["iteration"] for r in _rows(tmp_path)] == [0, 1, 2]   # checkpoint at 2
     train(cfg, demo_prompts(), out_dir=tmp_path, checkpoint_every=2, resume=True,
           progress=False)
-    assert [r["iteration"] for r in _rows(tmp_path)] == [0, 1, 2, 3, 4]
+    assert [r["iteration"] for r in _rows(tmp_path)] == [0, 1, 2, 3]
     assert [it for it, _ in complete_checkpoints(tmp_path)] == [2, 4]
 
 
