@@ -42,6 +42,8 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", default="ppo-hub-run")
     ap.add_argument("--serial", action="store_true", help="no fusion (the baseline)")
+    ap.add_argument("--resume", action="store_true", help="continue the run in --out")
+    ap.add_argument("--overwrite", action="store_true", help="start over in a non-empty --out")
     args = ap.parse_args()
     cfg = RLHFConfig(
         models=ModelsConfig(actor=args.model, reward=reward),
@@ -60,7 +62,8 @@ def main() -> int:
         return 2
     # A failure while running: one line here, every traceback in OUT/error.log.
     return run_logged("ppo_hub.py", args.out,
-                      lambda: train(cfg, prompts, out_dir=args.out, checkpoint_every=1))
+                      lambda: train(cfg, prompts, out_dir=args.out, checkpoint_every=1,
+                                    resume=args.resume, overwrite=args.overwrite))
 
 
 if __name__ == "__main__":

@@ -191,7 +191,7 @@ def test_a_rank_dying_mid_iteration_names_rank_and_stage():
     cfg.fusion.timeout_s = 10.0
     prompt_ids = [list(range(2, 6))] * 16
     with pytest.raises(DistributedRunError) as info:
-        run_ranks(faulty_rank_main, 2, cfg, prompt_ids, None, 0, False, False, None, False,
+        run_ranks(faulty_rank_main, 2, cfg, prompt_ids, None, 0, None, False, None, False,
                   collective_timeout=10.0, timeout=120.0)
     by_rank = {r.rank: r for r in info.value.results}
     assert by_rank[1].error_type == "Died"

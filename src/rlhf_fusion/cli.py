@@ -109,9 +109,12 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from .launch import RunInterrupted, exit_promptly, raise_on_signals
     from .loop import LoopConfigError, RLHFConfig, load_prompts, train
+    from .loop.checkpoint import complete_checkpoints
     from .loop.demo import demo_prompts
 
+    raise_on_signals()  # SIGTERM/SIGINT: stop every rank, keep the last complete checkpoint
     try:
         cfg = RLHFConfig.from_file(args.config)
         if args.iterations is not None:
@@ -130,9 +133,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     except LoopConfigError as exc:
         print(f"rlhf-fusion train: error: {exc}", file=sys.stderr)
         return 2
-    return run_logged("rlhf-fusion train", args.out, lambda: train(
-        cfg, prompts, out_dir=args.out, checkpoint_every=args.checkpoint_every,
-        resume=args.resume))
+
+    def run() -> None:
+        try:
+            train(cfg, prompts, out_dir=args.out, checkpoint_every=args.checkpoint_every,
+                  resume=args.resume, overwrite=args.overwrite,
+                  keep_checkpoints=args.keep_checkpoints)
+        except RunInterrupted as exc:
+            done = complete_checkpoints(args.out)
+            where = (f"the last complete checkpoint is {done[-1][1]}; continue with --resume"
+                     if done else "no checkpoint was complete")
+            print(f"\nrlhf-fusion train: {exc}; every rank stopped, {where}", file=sys.stderr)
+            exit_promptly(128 + exc.signum)
+
+    return run_logged("rlhf-fusion train", args.out, run)
 
 
 ERROR_LOG = "error.log"
@@ -360,7 +374,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="override the config's iterations")
     t.add_argument("--checkpoint-every", type=_count(0), default=1,
                    help="iterations per checkpoint, 0: none (default: 1)")
-    t.add_argument("--resume", action="store_true", help="continue from the last checkpoint")
+    t.add_argument("--keep-checkpoints", type=_count(0), default=2, metavar="K",
+                   help="keep the newest K checkpoints, delete older ones, 0: keep all "
+                        "(default: 2)")
+    t.add_argument("--resume", action="store_true",
+                   help="continue the run in --out from its newest complete checkpoint")
+    t.add_argument("--overwrite", action="store_true",
+                   help="start over in a non-empty --out (deletes its metrics, checkpoints and "
+                        "error.log)")
     t.set_defaults(func=cmd_train)
 
     pd = sub.add_parser("plan-demo", help="plan a fused schedule for a built-in setting, plot it")

@@ -13,22 +13,36 @@ Unlike ``torch.multiprocessing.spawn`` this never hangs and never loses a rank's
 * ``collective_timeout`` is the process group's timeout, so every collective and
   point-to-point wait inside ``fn`` is bounded too;
 * ``threads`` sets torch's intra-op threads per rank (small machines: keep it at 1).
+* once one rank has failed or died, the others get ``grace`` seconds to report their own error
+  (they usually notice the dead peer at once) and are then stopped: a rank waiting on a dead
+  peer outside any collective cannot hold the run. Each rank records what it is doing
+  (:func:`note_stage`), so a rank that dies without reporting is named with its stage;
+* ranks die with the launcher: ``PR_SET_PDEATHSIG`` on Linux, and a watchdog on the parent's
+  pid everywhere, so a killed launcher leaves no rank behind (:func:`orphaned` lets a rank
+  check before it writes anything lasting);
+* an exception in the launcher while it waits (``KeyboardInterrupt``, or a SIGTERM handler's
+  :class:`RunInterrupted`) stops every rank before it propagates. Ranks ignore SIGINT: a
+  Ctrl-C reaches them through the launcher, not as a traceback of their own.
 
 So a fault-injection test can assert *how* each surviving rank failed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import io
 import os
 import queue
+import signal
 import socket
+import sys
+import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -64,6 +78,93 @@ class DistributedRunError(RuntimeError):
         return {r.rank: r for r in self.results if not r.ok}
 
 
+class RunInterrupted(Exception):
+    """The launcher was asked to stop (SIGTERM or SIGINT); every rank has been stopped."""
+
+    def __init__(self, signum: int):
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+def raise_on_signals(signums: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
+    """Make these signals raise :class:`RunInterrupted` in the main thread (CLI use): the
+    launcher then stops its ranks and the caller exits cleanly."""
+
+    signums = tuple(signums)
+
+    def handler(signum: int, frame: Any) -> None:
+        # Once: a second Ctrl-C must not interrupt the clean-up of the first (bounded anyway).
+        for s in signums:
+            signal.signal(s, signal.SIG_IGN)
+        raise RunInterrupted(signum)
+
+    for s in signums:
+        signal.signal(s, handler)
+
+
+def exit_promptly(code: int) -> NoReturn:
+    """End this process now, after a stop signal: Python's exit handlers run (multiprocessing's
+    clean-up among them), torch's C++ static destructors do not (seconds on a loaded
+    machine, and the process was asked to go)."""
+    import atexit
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+STAGE_BYTES = 160
+_stage_buf: Any = None  # this rank's shared stage record (set in a launched rank)
+_stage_parts: list[str] = []
+_parent_pid: int | None = None
+_stage_hook: Callable[[str], None] | None = None
+"""Tests only: called with the full stage text each time a rank enters a stage."""
+
+
+def note_stage(text: str, level: int = 0) -> None:
+    """Record what this rank is doing; the launcher names it if the rank dies silently.
+
+    ``level`` 0 is the loop's stage ("training of iteration 2"); level 1 a step inside it
+    ("migration"), cleared when the next level-0 stage starts."""
+    del _stage_parts[level:]
+    _stage_parts.append(text)
+    full = ": ".join(_stage_parts)
+    if _stage_buf is not None:
+        _stage_buf.value = full.encode()[: STAGE_BYTES - 1]
+    if _stage_hook is not None:
+        _stage_hook(full)
+
+
+def orphaned() -> bool:
+    """Whether this launched rank's launcher is gone (never true outside :func:`run_ranks`)."""
+    return _parent_pid is not None and os.getppid() != _parent_pid
+
+
+def die_with_parent(parent_pid: int) -> None:
+    """Make this process end when ``parent_pid`` (its launcher) does: SIGKILL from the kernel
+    (``PR_SET_PDEATHSIG``, Linux) and, everywhere, a watchdog thread on the parent's pid."""
+    global _parent_pid
+    _parent_pid = parent_pid
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass  # the watchdog below still covers it
+    if orphaned():  # the launcher died before the line above took effect
+        os._exit(1)
+
+    def watch() -> None:
+        while not orphaned():
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="rlhf-fusion-parent-watchdog", daemon=True).start()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -86,7 +187,14 @@ def _worker(
     fn: Callable[..., Any],
     args: tuple,
     out: Any,
+    parent_pid: int,
+    stage: Any,
 ) -> None:
+    global _stage_buf
+    die_with_parent(parent_pid)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _stage_buf = stage
+    note_stage("start-up")
     torch.set_num_threads(threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     t0 = time.perf_counter()
@@ -99,6 +207,7 @@ def _worker(
             timeout=timedelta(seconds=collective_timeout),
         )
         value = fn(rank, world, *args)
+        note_stage("reporting its result")
         res = RankResult(rank, True, value, seconds=time.perf_counter() - t0)
     except BaseException as exc:  # noqa: BLE001 - reported to the parent
         res = RankResult(
@@ -122,7 +231,15 @@ def _worker(
         except Exception:  # noqa: BLE001
             pass
     # Skip interpreter teardown: a receiver thread still blocked in the transport after a
-    # failure must not turn a clean report into a hang or a crash.
+    # failure must not turn a clean report into a hang or a crash. multiprocessing's own
+    # finalizers still run: a semaphore made here (tqdm's lock, say) is unlinked instead of
+    # left to the resource tracker's "leaked semaphore objects" warning.
+    try:
+        from multiprocessing import util
+
+        util._run_finalizers(0)
+    except Exception:  # noqa: BLE001
+        pass
     os._exit(0 if res.ok else 1)
 
 
@@ -136,6 +253,7 @@ def run_ranks(
     threads: int = 1,
     raise_on_error: bool = True,
     wait_for: Iterable[int] | None = None,
+    grace: float | None = None,
 ) -> list[RankResult]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned processes.
 
@@ -147,26 +265,84 @@ def run_ranks(
     With ``raise_on_error`` any failure raises
     :class:`DistributedRunError` carrying every rank's outcome. ``wait_for`` limits the ranks
     whose report is awaited (fault tests: do not wait for a rank that was told to stall).
+    Once a rank has failed, the ones still running get ``grace`` seconds (default
+    ``min(collective_timeout + 5, 30)``) to report and are then stopped, reported as
+    ``error_type="Stopped"`` naming the first failed rank.
     """
     needed = set(range(world_size) if wait_for is None else wait_for)
+    grace = min(collective_timeout + 5.0, 30.0) if grace is None else grace
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
+    # Plain shared memory (no lock, so no semaphore): each rank's current stage.
+    stages = [ctx.RawArray("c", STAGE_BYTES) for _ in range(world_size)]
     procs = [
         ctx.Process(
             target=_worker,
-            args=(r, world_size, port, backend, collective_timeout, threads, fn, args, out),
+            args=(r, world_size, port, backend, collective_timeout, threads, fn, args, out,
+                  os.getpid(), stages[r]),
             daemon=True,
         )
         for r in range(world_size)
     ]
-    for p in procs:
-        p.start()
+    try:
+        for p in procs:
+            p.start()
+        results, first_failure = _collect(procs, stages, out, needed, timeout, grace)
+    except BaseException:
+        _stop(procs, at_once=True)
+        raise
+    for r in range(world_size):
+        if r not in results:
+            if r not in needed:
+                results[r] = RankResult(
+                    r, False, error_type="NotAwaited", error="not in wait_for; terminated"
+                )
+            elif first_failure is not None:
+                results[r] = RankResult(
+                    r, False, error_type="Stopped",
+                    error=f"stopped {grace:g} s after rank {first_failure} failed, while "
+                          f"{_stage_of(stages[r])}",
+                )
+            else:
+                results[r] = RankResult(
+                    r, False, error_type="Deadline",
+                    error=f"no report within {timeout:g} s, while {_stage_of(stages[r])}",
+                )
+    _stop(procs, at_once=first_failure is not None)
+    ordered = [results[r] for r in range(world_size)]
+    if raise_on_error and not all(r.ok for r in ordered):
+        raise DistributedRunError(ordered)
+    return ordered
+
+
+def _stage_of(buf: Any) -> str:
+    return buf.value.decode(errors="replace") or "starting"
+
+
+def _exit_text(code: int | None) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            pass
+    return f"exit code {code}"
+
+
+def _collect(procs: list[Any], stages: list[Any], out: Any, needed: set[int], timeout: float,
+             grace: float) -> tuple[dict[int, RankResult], int | None]:
+    """The ranks' reports until every needed rank reported or died, the deadline passed, or
+    ``grace`` seconds passed since the first failure."""
     results: dict[int, RankResult] = {}
     died: dict[int, RankResult] = {}
     deadline = time.monotonic() + timeout
+    first_failure: int | None = None
+    failed_at = 0.0
     while not needed <= (set(results) | set(died)):
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        if first_failure is not None:
+            deadline = min(deadline, failed_at + grace)
+        left = deadline - now
         if left <= 0:
             break
         try:
@@ -180,30 +356,33 @@ def run_ranks(
                         r,
                         False,
                         error_type="Died",
-                        error=f"exit code {p.exitcode} without reporting",
+                        error=f"{_exit_text(p.exitcode)} without reporting, while "
+                              f"{_stage_of(stages[r])}",
                         exitcode=p.exitcode,
                     )
+                    if first_failure is None:
+                        first_failure, failed_at = r, time.monotonic()
             continue
         results[rank] = torch.load(io.BytesIO(payload), weights_only=False)
         died.pop(rank, None)
-    results = {**died, **results}
-    for r, p in enumerate(procs):
-        if r not in results:
-            if r in needed:
-                results[r] = RankResult(
-                    r, False, error_type="Deadline", error=f"no report within {timeout:g} s"
-                )
-            else:
-                results[r] = RankResult(
-                    r, False, error_type="NotAwaited", error="not in wait_for; terminated"
-                )
-        p.join(timeout=5.0)
+        if not results[rank].ok and first_failure is None:
+            first_failure, failed_at = rank, time.monotonic()
+    return {**died, **results}, first_failure
+
+
+def _stop(procs: list[Any], *, at_once: bool) -> None:
+    """Join the ranks; SIGTERM (then SIGKILL) the ones still running. ``at_once``: do not
+    wait for them to finish by themselves first."""
+    for p in procs:
+        if p.pid is None:
+            continue  # never started
+        p.join(timeout=0.0 if at_once else 5.0)
         if p.is_alive():
             p.terminate()
+    for p in procs:
+        if p.pid is None:
+            continue
+        p.join(timeout=5.0)
+        if p.is_alive():
+            p.kill()
             p.join(timeout=5.0)
-            if p.is_alive():
-                p.kill()
-    ordered = [results[r] for r in range(world_size)]
-    if raise_on_error and not all(r.ok for r in ordered):
-        raise DistributedRunError(ordered)
-    return ordered

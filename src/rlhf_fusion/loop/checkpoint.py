@@ -5,10 +5,22 @@ loop's own state (iteration index, the R_t planner's observations, the metric hi
 generation and inference copies are not saved: the next iteration starts with a weight sync
 that rebuilds them from the training stages, and sampling is keyed on (seed, iteration,
 sample), so a resumed run repeats exactly what the uninterrupted run would have done.
+
+On disk, ``OUT/checkpoints/iter_NNNNN/`` holds ``rank{r}.pt`` for every rank and ``COMPLETE``
+(JSON: iteration, world size, each file's size), and is written atomically: every rank
+writes ``rank{r}.pt.tmp`` inside ``iter_NNNNN.partial/`` and renames it; once every rank has
+(a collective), rank 0 writes ``COMPLETE`` and renames the folder. A folder without the
+marker, or whose files do not match it, is never resumed from. A rank whose launcher died
+writes nothing (:func:`rlhf_fusion.launch.orphaned`).
 """
 
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import sys
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +46,6 @@ def worker_state(worker: Any, history: list[dict[str, float]]) -> dict[str, Any]
                        "history": planner.history, "prompt_len": planner.prompt_len},
         "history": history,
     }
-
-
-def save_worker(worker: Any, path: str | Path, history: list[dict[str, float]]) -> None:
-    torch.save(worker_state(worker, history), path)
 
 
 def load_worker(worker: Any, path: str | Path) -> list[dict[str, float]]:
@@ -67,3 +75,120 @@ def load_worker_state(worker: Any, ck: dict[str, Any], where: str = "checkpoint"
     planner.prompt_len = st["prompt_len"]
     worker.iteration_index = ck["iteration"]
     return list(ck["history"])
+
+
+MARKER = "COMPLETE"
+
+
+def checkpoint_dir(out_dir: str | Path, iteration: int) -> Path:
+    return Path(out_dir) / "checkpoints" / f"iter_{iteration:05d}"
+
+
+def _write_atomic(path: Path, write: Any) -> int:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path.stat().st_size
+
+
+def save_checkpoint(worker: Any, out_dir: str | Path, iteration: int,
+                    history: list[dict[str, float]], *, keep: int = 0) -> Path | None:
+    """Every rank calls this at the same iteration boundary (it is a collective when
+    distributed). Returns the checkpoint folder, or None on an orphaned rank (nothing
+    written). ``keep`` > 0 prunes to the newest ``keep`` checkpoints."""
+    import torch.distributed as dist
+
+    from ..launch import orphaned
+
+    if orphaned():
+        os._exit(1)
+    final = checkpoint_dir(out_dir, iteration)
+    partial = final.with_name(final.name + ".partial")
+    partial.mkdir(parents=True, exist_ok=True)
+    state = worker_state(worker, history)
+    size = _write_atomic(partial / f"rank{worker.rank}.pt", lambda f: torch.save(state, f))
+    sizes = [(worker.rank, size)]
+    if worker.world > 1 and dist.is_initialized():
+        gathered: list[Any] = [None] * worker.world
+        dist.all_gather_object(gathered, sizes[0])
+        sizes = gathered
+    if worker.rank == 0:
+        if orphaned():
+            os._exit(1)
+        marker = {"iteration": iteration, "world_size": worker.world,
+                  "files": {f"rank{r}.pt": n for r, n in sorted(sizes)}}
+        _write_atomic(partial / MARKER, lambda f: f.write(json.dumps(marker).encode()))
+        if final.exists():   # an interrupted earlier run's folder of the same name
+            shutil.rmtree(final)
+        os.replace(partial, final)
+        if keep > 0:
+            prune_checkpoints(out_dir, keep)
+    return final
+
+
+def checkpoint_problem(path: Path, world: int) -> str | None:
+    """Why the checkpoint folder ``path`` cannot be resumed from by ``world`` ranks (None:
+    it can): no marker, another world size, a file missing, truncated or corrupt."""
+    try:
+        marker = json.loads((path / MARKER).read_text())
+    except FileNotFoundError:
+        return f"no {MARKER} marker (it was being written when the run stopped)"
+    except (OSError, ValueError) as exc:
+        return f"unreadable {MARKER} marker ({exc})"
+    if marker.get("world_size") != world:
+        return f"saved by {marker.get('world_size')} ranks, this run has {world}"
+    for name, size in marker["files"].items():
+        f = path / name
+        if not f.exists():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} is {f.stat().st_size} bytes, {size} were written (truncated?)"
+        try:
+            with zipfile.ZipFile(f) as z:
+                bad = z.testzip()
+        except (OSError, zipfile.BadZipFile) as exc:
+            return f"{name} is corrupt ({exc})"
+        if bad is not None:
+            return f"{name} is corrupt ({bad} fails its checksum)"
+    return None
+
+
+def complete_checkpoints(out_dir: str | Path) -> list[tuple[int, Path]]:
+    """(iteration, folder) of every folder with a marker, oldest first (not verified)."""
+    base = Path(out_dir) / "checkpoints"
+    found = []
+    for p in base.glob("iter_*") if base.exists() else []:
+        name = p.name[5:]
+        if name.isdigit() and (p / MARKER).exists():
+            found.append((int(name), p))
+    return sorted(found)
+
+
+def resume_point(out_dir: str | Path, world: int, *, say: Any = None) -> int | None:
+    """The iteration of the newest checkpoint that ``world`` ranks can resume from, skipping
+    (and reporting through ``say``, default stderr) newer ones that are incomplete or
+    corrupt; None when there is none."""
+    say = say or (lambda msg: print(msg, file=sys.stderr))
+    base = Path(out_dir) / "checkpoints"
+    candidates = sorted(((int(p.name[5:]), p) for p in base.glob("iter_*")
+                         if p.name[5:].isdigit()), reverse=True) if base.exists() else []
+    for it, path in candidates:
+        problem = checkpoint_problem(path, world)
+        if problem is None:
+            return it
+        say(f"resume: skipping {path}: {problem}")
+    return None
+
+
+def prune_checkpoints(out_dir: str | Path, keep: int) -> None:
+    """Delete all but the newest ``keep`` complete checkpoints, and leftover partial ones."""
+    done = complete_checkpoints(out_dir)
+    for _, path in done[:-keep]:
+        shutil.rmtree(path, ignore_errors=True)
+    newest = done[-1][0] if done else -1
+    for p in (Path(out_dir) / "checkpoints").glob("iter_*.partial"):
+        if p.name[5:10].isdigit() and int(p.name[5:10]) < newest:
+            shutil.rmtree(p, ignore_errors=True)

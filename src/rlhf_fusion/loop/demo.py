@@ -61,7 +61,8 @@ def run_demo(out_dir: str | Path = "rlhf-fusion-demo", *, iterations: int = 24,
     mode = "serial (RLHFuse-Base)" if serial else "fused: inter-stage + intra-stage"
     print(f"rlhf-fusion demo: PPO on a tiny Llama actor/critic, {cfg.world_size} CPU processes, "
           f"{cfg.generation.prompts_per_iteration} prompts/iteration, {mode}")
-    res = train(cfg, demo_prompts(), out_dir=out, progress=progress,
+    # The demo owns its folder: a re-run replaces the previous demo's output.
+    res = train(cfg, demo_prompts(), out_dir=out, progress=progress, overwrite=True,
                 timeline_serial=not serial, keep_experiences=True)
     hist = res["history"]
     print(f"set-up before iteration 0 (not in the iterations' seconds): training pipeline "

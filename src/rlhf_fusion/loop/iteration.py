@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..launch import note_stage
 from ..rollout.inference import Experience, InferenceModels
 from ..rollout.local import LocalFusedRollout
 from ..rollout.reference import ReferenceBackend
@@ -424,6 +425,7 @@ class PPOWorker:
     # -- the iteration ---------------------------------------------------------------------------
     @contextlib.contextmanager
     def _stage(self, name: str) -> Iterator[None]:
+        note_stage(f"{name} of iteration {self.iteration_index}")
         if _stage_hook is not None:
             _stage_hook(name, self.rank, self.iteration_index)
         try:

@@ -3,14 +3,19 @@
 ``train(cfg, prompts, out_dir=...)`` validates everything in the calling process, then spawns
 ``cfg.world_size`` gloo ranks (one process, no group, when ``world_size == 1``). Rank 0 prints
 a progress bar and a row per iteration and writes ``metrics.jsonl``. With ``checkpoint_every``
-every rank saves its share at iteration boundaries; ``resume=True`` continues from the last
-complete one and gives the same results as a run that was never interrupted.
+every rank saves its share at iteration boundaries (atomically, the newest
+``keep_checkpoints`` kept: :mod:`.checkpoint`); ``resume=True`` continues from the newest
+complete one, skipping a corrupt one, drops the metrics rows written after it, and gives the
+same results as a run that was never interrupted. An output folder that is not empty needs
+``resume`` or ``overwrite``: two runs never mix in one folder.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -68,12 +73,19 @@ def summary_row(it: int, m: dict[str, float]) -> str:
 def train(cfg: RLHFConfig, prompts: Sequence[str], *, out_dir: str | Path | None = None,
           checkpoint_every: int = 0, resume: bool = False, progress: bool = True,
           stop_after: int | None = None, timeline_serial: bool = False,
-          keep_experiences: bool = False, threads: int = 1) -> dict[str, Any]:
+          keep_experiences: bool = False, threads: int = 1, overwrite: bool = False,
+          keep_checkpoints: int = 2) -> dict[str, Any]:
     """Run ``cfg.iterations`` PPO iterations (``stop_after`` ends earlier, as a kill between
     iterations would). Returns rank 0's ``history`` (metrics per iteration), ``timelines``,
     ``seconds``, ``states`` (every rank's canonical parameters) and, with
-    ``keep_experiences``, every iteration's experience batch."""
+    ``keep_experiences``, every iteration's experience batch. ``keep_checkpoints``: the
+    newest K checkpoints stay, older ones are deleted (0 keeps all)."""
     cfg.validate()
+    if keep_checkpoints < 0:
+        raise LoopConfigError("keep_checkpoints: must be >= 0 (0 keeps every checkpoint)")
+    if checkpoint_every < 0:
+        raise LoopConfigError("checkpoint_every: must be >= 0 (0 writes no checkpoints)")
+    start = prepare_out_dir(out_dir, cfg.world_size, resume=resume, overwrite=overwrite)
     if not prompts:
         raise LoopConfigError("prompts: the prompt set is empty")
     from .models import load_tokenizer
@@ -86,8 +98,8 @@ def train(cfg: RLHFConfig, prompts: Sequence[str], *, out_dir: str | Path | None
                               f"{empty[0] + 1}); remove them")
     if cfg.placement.search is not None:
         cfg = _with_searched_plan(cfg, prompt_ids, out_dir)
-    args = (cfg, prompt_ids, str(out_dir) if out_dir else None, checkpoint_every, resume,
-            progress, stop_after, timeline_serial, keep_experiences)
+    args = (cfg, prompt_ids, str(out_dir) if out_dir else None, checkpoint_every, start,
+            progress, stop_after, timeline_serial, keep_experiences, keep_checkpoints)
     if cfg.world_size == 1:
         out = rank_main(0, 1, *args)
         out["states"] = [out["state"]]
@@ -155,41 +167,96 @@ def _with_searched_plan(cfg: RLHFConfig, prompt_ids: Sequence[Sequence[int]],
     return cfg
 
 
-def _ckpt_dir(out_dir: str, it: int) -> Path:
-    return Path(out_dir) / "checkpoints" / f"iter_{it:05d}"
+RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "plan.json", "profiles", "error.log")
+"""What a run writes into its output folder (what ``overwrite`` deletes)."""
 
 
-def _latest(out_dir: str, world: int) -> int | None:
-    base = Path(out_dir) / "checkpoints"
-    done = [int(p.name[5:]) for p in base.glob("iter_*")
-            if all((p / f"rank{r}.pt").exists() for r in range(world))] if base.exists() else []
-    return max(done) if done else None
+def prepare_out_dir(out_dir: str | Path | None, world: int, *, resume: bool,
+                    overwrite: bool) -> int | None:
+    """Check the output folder before any rank starts; returns the iteration to resume from
+    (None: start afresh). A folder with anything in it needs ``resume`` (continue the run in
+    it) or ``overwrite`` (delete that run's outputs first)."""
+    if out_dir is None:
+        return None
+    from .checkpoint import resume_point
+
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise LoopConfigError(f"--out {out}: exists and is not a folder; choose another --out")
+    if resume and overwrite:
+        raise LoopConfigError("--resume and --overwrite: choose one (continue the run in --out, "
+                              "or start over)")
+    if resume:
+        return resume_point(out, world)
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise LoopConfigError(
+                f"--out {out}: the folder is not empty (an earlier run's output?); pass "
+                "--resume to continue that run or --overwrite to start over in it "
+                "(API: resume=True / overwrite=True)")
+        for name in RUN_OUTPUTS:
+            p = out / name
+            if p.is_dir():
+                shutil.rmtree(p)
+            elif p.exists():
+                p.unlink()
+    return None
+
+
+def _keep_metrics_before(path: Path, start: int) -> None:
+    """Drop the rows of iterations >= ``start``: they were written after the checkpoint the
+    run resumes from, and the resumed run writes them again."""
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines(keepends=True)
+            if line.strip() and json.loads(line)["iteration"] < start]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(kept))
+    os.replace(tmp, path)
 
 
 def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]],
-              out_dir: str | None, checkpoint_every: int, resume: bool, progress: bool,
-              stop_after: int | None, timeline_serial: bool,
-              keep_experiences: bool = False) -> dict[str, Any]:
-    from .checkpoint import load_worker, load_worker_state, save_worker, worker_state
+              out_dir: str | None, checkpoint_every: int, resume_from: int | None,
+              progress: bool, stop_after: int | None, timeline_serial: bool,
+              keep_experiences: bool = False, keep_checkpoints: int = 2) -> dict[str, Any]:
+    """One rank of :func:`train`; ``resume_from`` is the checkpoint's iteration (chosen and
+    verified by the launching process, so every rank loads the same one)."""
+    from ..launch import note_stage
+    from .checkpoint import (
+        checkpoint_dir,
+        load_worker,
+        load_worker_state,
+        save_checkpoint,
+        worker_state,
+    )
     from .placed import make_worker
 
+    note_stage("building the models")
     torch.manual_seed(cfg.models.seed)
     worker = make_worker(cfg)
     start = 0
     history: list[dict[str, float]] = []
-    if resume and out_dir is not None:
-        last = _latest(out_dir, world)
-        if last is not None:
-            history = load_worker(worker, _ckpt_dir(out_dir, last) / f"rank{rank}.pt")
-            start = last
+    if resume_from is not None and out_dir is not None:
+        note_stage(f"loading the checkpoint of iteration {resume_from}")
+        history = load_worker(worker, checkpoint_dir(out_dir, resume_from) / f"rank{rank}.pt")
+        start = resume_from
     lead = rank == 0
     log = None
     if lead and out_dir is not None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
-        log = open(Path(out_dir) / "metrics.jsonl", "a" if start else "w")  # noqa: SIM115
+        metrics = Path(out_dir) / "metrics.jsonl"
+        if start:
+            _keep_metrics_before(metrics, start)
+        log = open(metrics, "a" if start else "w")  # noqa: SIM115
     bar = None
     if lead and progress:
+        import threading
+
         from tqdm import tqdm
+
+        # tqdm's default lock is a multiprocessing semaphore; a thread lock leaves nothing
+        # for the resource tracker to warn about when the rank exits.
+        tqdm.set_lock(threading.RLock())
 
         bar = tqdm(total=cfg.iterations, initial=start, desc="PPO iterations", unit="it",
                    file=sys.stderr, dynamic_ncols=True)
@@ -219,9 +286,8 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
                 bar.update(1)
                 bar.write(summary_row(it, res.metrics))
         if out_dir is not None and checkpoint_every and (it + 1) % checkpoint_every == 0:
-            path = _ckpt_dir(out_dir, it + 1)
-            path.mkdir(parents=True, exist_ok=True)
-            save_worker(worker, path / f"rank{rank}.pt", history)
+            note_stage(f"checkpoint of iteration {it + 1}")
+            save_checkpoint(worker, out_dir, it + 1, history, keep=keep_checkpoints)
     run_s = time.perf_counter() - t_run
     if bar is not None:
         bar.close()

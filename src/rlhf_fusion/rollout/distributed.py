@@ -42,6 +42,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..launch import note_stage
 from .backend import GenerationBackend
 from .config import RolloutConfig, check_rollout
 from .inference import Experience, InferenceModels
@@ -185,11 +186,14 @@ def run_rollout(
     done: list[SampleResult] = []
     assignment: MigrationAssignment | None = None
     if not config.fused:
+        note_stage("generation", 1)
         while backend.unfinished():
             done.extend(backend.step())
         stats["generation_end_s"] = time.perf_counter() - t0
+        note_stage("end-of-generation barrier", 1)
         r.gather(None, "end-of-generation barrier")
         stats["inference_start_s"] = time.perf_counter() - t0
+        note_stage("scoring", 1)
         exps = inference.score(done) if inference is not None else []
         results = done
     else:
@@ -197,6 +201,7 @@ def run_rollout(
         with r.store_errors("generating until the trigger"):
             _generate_until_trigger(r, backend, rt, done)
         stats["trigger_s"] = time.perf_counter() - t0
+        note_stage("migration", 1)
         reports = r.gather([(p.sample_id, p.prompt_len, p.generated, p.max_new_tokens)
                             for p in backend.progress()], "progress reports at the trigger")
         progress = {i: moving(SampleProgress(*x) for x in rep) for i, rep in enumerate(reports)}
@@ -213,9 +218,11 @@ def run_rollout(
             while backend.unfinished():
                 done.extend(backend.step())
         stats["migration_end_s"] = time.perf_counter() - t0
+        note_stage("streaming and scoring", 1)
         with r.store_errors("streaming finished samples"):
             results, exps = _stream(r, backend, inference, assignment, done, t0, stats)
     stats["local_end_s"] = time.perf_counter() - t0
+    note_stage("assembling the experience batch", 1)
     gathered = r.gather((results, exps, stats), "the experience batch")
     all_results = assemble((x for g in gathered for x in g[0]), ids, "results")
     all_exps = (assemble((x for g in gathered for x in g[1]), ids, "experience batch")
@@ -251,13 +258,22 @@ HEARTBEAT_CHECK_S = 0.05
 
 def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
                             done: list[SampleResult]) -> None:
+    """Decode until at most ``rt`` samples are left over all ranks. Every rank heartbeats
+    while it waits here, and a peer whose heartbeat stops for ``timeout_s`` ends the wait
+    with an error naming it: the trigger is set by whichever rank sees the total first, so
+    without it a dead peer's count would hold every other rank here forever."""
     store = r.store
     mine = r.key(f"unfinished/{r.rank}")
     keys = [r.key(f"unfinished/{i}") for i in range(r.world)]
+    alive = [r.key(f"alive/{i}") for i in range(r.world)]
     trigger = r.key("trigger")
     published = len(backend.unfinished())
     store.set(mine, str(published))
+    store.set(alive[r.rank], "0")
     r.gather(None, "start of generation")  # every count key exists before anyone reads them
+    note_stage("generation until the migration trigger", 1)
+    beats = {i: ("0", time.perf_counter()) for i in range(r.world) if i != r.rank}
+    last_hb = time.perf_counter()
     steps = 0
     idle = IDLE_POLL_MIN_S
     while True:
@@ -277,12 +293,30 @@ def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
         if left != published:
             store.set(mine, str(left))
             published = left
+        now = time.perf_counter()
+        if now - last_hb >= r.cfg.heartbeat_s:
+            store.add(alive[r.rank], 1)
+            last_hb = now
         if store.check([trigger]):
             return
-        total = sum(int(v) for v in store.multi_get(keys))
+        values = store.multi_get(keys + alive)
+        total = sum(int(v) for v in values[: r.world])
         if should_trigger(total, rt):
             store.set(trigger, str(r.rank))
             return
+        _check_alive(r, beats, values[r.world:], now)
+
+
+def _check_alive(r: _Rank, beats: dict[int, tuple[Any, float]], counts: Sequence[Any],
+                 now: float) -> None:
+    for i, (last, since) in beats.items():
+        if counts[i] != last:
+            beats[i] = (counts[i], now)
+        elif now - since > r.cfg.timeout_s:
+            raise CoordinatorTimeout(
+                f"rank {r.rank}: generation rank {i} sent no heartbeat for {now - since:.1f}s "
+                f"(timeout {r.cfg.timeout_s:g}s) while waiting for the migration trigger; "
+                f"rank {i} died or hung")
 
 
 def _migrate(r: _Rank, backend: GenerationBackend, plan: MigrationAssignment,

@@ -1,0 +1,396 @@
+"""Faults from the outside in: a rank SIGKILLed at each stage, the launcher SIGKILLed,
+SIGTERM/SIGINT to ``rlhf-fusion train``, corrupt checkpoints, re-used output folders.
+
+Real signals to real processes; each test bounds every wait.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from rlhf_fusion.launch import DistributedRunError, run_ranks  # noqa: E402
+from rlhf_fusion.loop import (  # noqa: E402
+    FusionConfig,
+    GenerationConfig,
+    LoopConfigError,
+    ModelsConfig,
+    PPOLoopConfig,
+    RLHFConfig,
+    train,
+)
+from rlhf_fusion.loop.checkpoint import complete_checkpoints, resume_point  # noqa: E402
+from rlhf_fusion.loop.demo import demo_prompts  # noqa: E402
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def tiny(world: int = 2, *, inter: bool = True, iterations: int = 3,
+         timeout_s: float = 120.0) -> RLHFConfig:
+    return RLHFConfig(
+        models=ModelsConfig(actor={"family": "llama", "layers": 2, "hidden": 32}, seed=3),
+        generation=GenerationConfig(prompts_per_iteration=8, max_new_tokens=24, seed=5),
+        ppo=PPOLoopConfig(num_ppo_epochs=1, num_mini_batches=1, micro_batches=2,
+                          learning_rate=3e-3, kl_coef=0.05),
+        fusion=FusionConfig(inter=inter, intra=True, rt=0.5, solver="greedy",
+                            timeout_s=timeout_s),
+        world_size=world, iterations=iterations)
+
+
+TINY_YAML = """world_size: 2
+iterations: {iterations}
+models: {{actor: {{family: llama, layers: 2, hidden: 32}}, seed: 3}}
+generation: {{prompts_per_iteration: 8, max_new_tokens: 24, seed: 5}}
+ppo: {{micro_batches: 2, num_mini_batches: 1, num_ppo_epochs: 1, learning_rate: 3.0e-3}}
+fusion: {{solver: greedy, rt: 0.5, inter: {inter}}}
+"""
+
+
+# -- a rank SIGKILLed at a stage ------------------------------------------------------------------
+
+def _kill_at(kill_rank: int, rank: int, target: str, stamp: str):
+    def hook(stage: str) -> None:
+        if rank == kill_rank and target in stage:
+            Path(stamp).write_text(f"{time.time()}\n{stage}")
+            os.kill(os.getpid(), signal.SIGKILL)
+    return hook
+
+
+def killing_rank_main(rank, world, kill_rank, target, stamp, *args):
+    """rank_main, except that ``kill_rank`` SIGKILLs itself on entering a stage that contains
+    ``target``."""
+    from rlhf_fusion import launch
+    from rlhf_fusion.loop.run import rank_main
+
+    launch._stage_hook = _kill_at(kill_rank, rank, target, stamp)
+    return rank_main(rank, world, *args)
+
+
+def descendants() -> list[psutil.Process]:
+    """This process's children, except multiprocessing's resource tracker (it belongs to this
+    pytest process, not to the run)."""
+    return [p for p in psutil.Process().children(recursive=True)
+            if "resource_tracker" not in " ".join(p.cmdline())]
+
+
+# Each case starts 2 ranks (~1 min on a loaded 2-core machine): the default suite kills in
+# generation, training and checkpointing, the slow one everywhere else.
+STAGES = [
+    # (rank killed, stage text it dies entering, fused)
+    pytest.param(1, "of iteration 1: generation until the migration trigger", True,
+                 id="generation"),
+    pytest.param(0, "of iteration 1: generation until the migration trigger", True,
+                 id="generation-rank0", marks=pytest.mark.slow),
+    pytest.param(1, "of iteration 1: migration", True, id="migration", marks=pytest.mark.slow),
+    pytest.param(1, "of iteration 1: streaming and scoring", True, id="scoring", marks=pytest.mark.slow),
+    pytest.param(1, "training of iteration 1", True, id="training"),
+    pytest.param(0, "weight sync of iteration 1", False, id="weight-sync", marks=pytest.mark.slow),
+    pytest.param(1, "checkpoint of iteration 2", False, id="checkpoint"),
+]
+
+
+@pytest.mark.parametrize(("kill_rank", "target", "fused"), STAGES)
+def test_a_rank_killed_at_any_stage_ends_the_run_within_60s_naming_it(
+        tmp_path, kill_rank, target, fused):
+    # The loop's default timeout (120 s): the bound must not come from a short test timeout.
+    cfg = tiny(inter=fused)
+    stamp = tmp_path / "killed"
+    out = tmp_path / "run"
+    prompt_ids = [list(range(2, 6 + i % 5)) for i in range(8)]
+    with pytest.raises(DistributedRunError) as info:
+        run_ranks(killing_rank_main, 2, kill_rank, target, str(stamp), cfg, prompt_ids,
+                  str(out), 1, None, False, None, False, False, 0,
+                  collective_timeout=cfg.fusion.timeout_s, timeout=600)
+    ended = time.time()
+    killed_at, stage = stamp.read_text().split("\n", 1)
+    took = ended - float(killed_at)
+    print(f"[fault] rank {kill_rank} killed entering {stage!r}: run ended {took:.1f} s later")
+    assert took < 60, took
+    by_rank = {r.rank: r for r in info.value.results}
+    dead = by_rank[kill_rank]
+    assert dead.error_type == "Died" and dead.exitcode == -signal.SIGKILL, dead
+    assert "killed by SIGKILL" in dead.error and stage in dead.error, dead.error
+    # The message of the run names the dead rank and its stage.
+    assert f"rank {kill_rank}: Died: killed by SIGKILL without reporting, while {stage}" \
+        in str(info.value)
+    survivor = by_rank[1 - kill_rank]
+    assert not survivor.ok and survivor.error, survivor
+    assert not descendants(), descendants()
+    if "checkpoint" in target:
+        # The half-written checkpoint is never resumed from.
+        assert resume_point(out, 2, say=lambda _: None) == 1
+
+
+def dying_rollout_worker(rank, world, stamp, job):
+    from rlhf_fusion import launch
+    from rlhf_fusion.testing.rollout import tiny_job_worker
+
+    launch._stage_hook = _kill_at(1, rank, "generation until the migration trigger", stamp)
+    return tiny_job_worker(rank, world, job)
+
+
+def test_the_trigger_wait_notices_a_dead_peer_by_its_heartbeat(tmp_path):
+    """Without the launcher's stop (grace longer than the rollout's timeout), the wait for
+    the migration trigger itself ends: the dead rank's heartbeat stops."""
+    from rlhf_fusion.rollout import RolloutConfig, SampleSpec
+    from rlhf_fusion.testing import TinyJob
+
+    small = dict(vocab_size=64, hidden_size=32, layers=2, heads=4, kv_heads=2)
+    specs = [SampleSpec(i, [(7 * i) % 64, 1, 2], max_new_tokens=4 + i, seed=21)
+             for i in range(8)]
+    cfg = RolloutConfig(rt=2, mechanism="tokens", timeout_s=4, heartbeat_s=0.2)
+    job = TinyJob(specs=specs, configs=[cfg], actor=dict(small, seed=1), bs_max=8,
+                  warmup=False)
+    with pytest.raises(DistributedRunError) as info:
+        run_ranks(dying_rollout_worker, 2, str(tmp_path / "killed"), job, collective_timeout=4,
+                  timeout=120, grace=60)
+    res = info.value.failed[0]
+    assert res.error_type == "CoordinatorTimeout", res
+    assert "generation rank 1 sent no heartbeat" in res.error, res.error
+    assert "migration trigger" in res.error and "died or hung" in res.error
+
+
+# -- the CLI under real signals ---------------------------------------------------------------------
+
+def _cli(tmp_path: Path, out: Path, *args: str, iterations: int,
+         inter: bool = True) -> subprocess.Popen:
+    config = tmp_path / f"run{iterations}.yaml"
+    config.write_text(TINY_YAML.format(iterations=iterations, inter=str(inter).lower()))
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    return subprocess.Popen([sys.executable, "-m", "rlhf_fusion.cli", "train", str(config),
+                             "--out", str(out), *args], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _rows(out: Path) -> list[dict]:
+    path = out / "metrics.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(x) for x in path.read_text().splitlines() if x.endswith("}")]
+
+
+def _wait_rows(proc: subprocess.Popen, out: Path, n: int, limit: float = 300) -> None:
+    deadline = time.monotonic() + limit
+    while len(_rows(out)) < n:
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the run did not start"
+        time.sleep(0.1)
+
+
+def _gone_within(procs: list[psutil.Process], limit: float) -> float:
+    t0 = time.monotonic()
+    while any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in procs):
+        if time.monotonic() - t0 > limit:
+            alive = [p for p in procs if p.is_running()]
+            for p in alive:
+                p.kill()
+            pytest.fail(f"still alive after {limit} s: {alive}")
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def _final_state(out: Path, iteration: int) -> dict:
+    """Every rank's trained weights and optimizer state (the R_t planner's share holds
+    measured times, which differ between any two runs)."""
+    d = out / "checkpoints" / f"iter_{iteration:05d}"
+    cks = [torch.load(d / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    return {r: (ck["iteration"], ck["models"], ck["optimizers"]) for r, ck in enumerate(cks)}
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
+    return a == b
+
+
+LEARNING = ("reward_mean", "kl", "loss/policy_avg", "loss/value_avg", "policy/approxkl_avg",
+            "val/value_avg", "policy/grad_norm", "val/grad_norm")
+N = 10
+
+
+@pytest.fixture(scope="module")
+def reference_run(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reference")
+    proc = _cli(tmp, tmp / "out", iterations=N, inter=False)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    assert "leaked semaphore" not in err and "Traceback" not in err, err[-3000:]
+    # --keep-checkpoints defaults to 2.
+    assert [it for it, _ in complete_checkpoints(tmp / "out")] == [N - 1, N]
+    return tmp / "out"
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_sigterm_and_sigint_stop_every_rank_within_10s_and_resume_is_exact(
+        tmp_path, reference_run, signum):
+    out = tmp_path / "out"
+    # Inter-stage fusion off: its R_t follows measured times, so two fused runs may differ in
+    # the last bit of a metric, interrupted or not; resume itself is what is checked here.
+    proc = _cli(tmp_path, out, iterations=N, inter=False)
+    _wait_rows(proc, out, 2)
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    assert any("resource_tracker" in " ".join(p.cmdline()) for p in tree[1:])
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signum)   # Ctrl-C: the whole foreground process group
+    else:
+        os.kill(proc.pid, signum)     # a scheduler or supervisor: the launcher
+    took = _gone_within(tree, 10)
+    _, err = proc.communicate(timeout=10)
+    print(f"[signal] {signal.Signals(signum).name}: every process gone {took:.2f} s later")
+    assert proc.returncode == 128 + signum, err[-3000:]
+    assert f"stopped by {signal.Signals(signum).name}" in err
+    for bad in ("Traceback", "KeyboardInterrupt", "leaked semaphore"):
+        assert bad not in err, err[-3000:]
+    done = complete_checkpoints(out)
+    assert done and done[-1][0] < N, "the signal came after the run ended: raise N"
+    assert not list(out.glob("checkpoints/*.partial/COMPLETE"))
+    resumed = _cli(tmp_path, out, "--resume", iterations=N, inter=False)
+    _, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    rows, ref = _rows(out), _rows(reference_run)
+    assert [r["iteration"] for r in rows] == list(range(N))
+    for a, b in zip(rows, ref, strict=True):
+        assert {k: a[k] for k in LEARNING} == {k: b[k] for k in LEARNING}, a["iteration"]
+    assert _same(_final_state(out, N), _final_state(reference_run, N))
+
+
+def test_killing_the_launcher_leaves_no_rank_and_no_new_checkpoint(tmp_path):
+    out = tmp_path / "out"
+    proc = _cli(tmp_path, out, "--keep-checkpoints", "0", iterations=200)
+    _wait_rows(proc, out, 2)
+    ranks = psutil.Process(proc.pid).children(recursive=True)
+    assert len([p for p in ranks if "spawn_main" in " ".join(p.cmdline())]) == 2
+    t0 = time.monotonic()
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.communicate(timeout=10)   # the launcher is gone (a checkpoint finished before counts)
+    before = complete_checkpoints(out)
+    _gone_within(ranks, 10)
+    took = time.monotonic() - t0
+    assert took < 10, took
+    print(f"[launcher] SIGKILL: every rank gone {took:.2f} s later")
+    time.sleep(1.0)
+    after = complete_checkpoints(out)
+    assert after == before, (before, after)
+
+
+# -- checkpoints and output folders -----------------------------------------------------------------
+
+def test_resume_skips_a_truncated_checkpoint_and_continues_exactly(tmp_path, capsys):
+    cfg = tiny(inter=False)
+    full = train(cfg, demo_prompts(), out_dir=tmp_path, checkpoint_every=1, progress=False,
+                 keep_checkpoints=0)
+    newest = tmp_path / "checkpoints" / "iter_00003" / "rank1.pt"
+    data = newest.read_bytes()
+    newest.write_bytes(data[: len(data) // 2])
+    capsys.readouterr()
+    resumed = train(cfg, demo_prompts(), out_dir=tmp_path, checkpoint_every=1, progress=False,
+                    resume=True, keep_checkpoints=0)
+    err = capsys.readouterr().err
+    assert f"resume: skipping {newest.parent}: rank1.pt is {len(data) // 2} bytes" in err
+    assert [h["iteration"] for h in resumed["history"]] == [0, 1, 2]
+    assert [r["iteration"] for r in _rows(tmp_path)] == [0, 1, 2]
+    assert _same(resumed["states"], full["states"])
+    assert resumed["history"] == full["history"] or all(
+        {k: a[k] for k in a if not k.startswith(("time/", "samples"))}
+        == {k: b[k] for k in b if not k.startswith(("time/", "samples"))}
+        for a, b in zip(resumed["history"], full["history"], strict=True))
+
+
+def test_metrics_are_truncated_to_the_resumed_checkpoint(tmp_path):
+    cfg = tiny(1, inter=False, iterations=4)
+    train(cfg, demo_prompts(), out_dir=tmp_path, checkpoint_every=2, stop_after=3,
+          progress=False)
+    assert [r["iteration"] for r in _rows(tmp_path)] == [0, 1, 2]   # checkpoint at 2
+    train(cfg, demo_prompts(), out_dir=tmp_path, checkpoint_every=2, resume=True,
+          progress=False)
+    assert [r["iteration"] for r in _rows(tmp_path)] == [0, 1, 2, 3]
+    assert [it for it, _ in complete_checkpoints(tmp_path)] == [2, 4]
+
+
+def test_a_non_empty_out_needs_resume_or_overwrite(tmp_path, monkeypatch, capsys):
+    import rlhf_fusion.launch as launch
+    from rlhf_fusion.cli import build_parser, main
+    from rlhf_fusion.loop.run import prepare_out_dir
+
+    monkeypatch.setattr(launch, "run_ranks", lambda *a, **k: pytest.fail("a process started"))
+    (tmp_path / "checkpoints" / "iter_00005").mkdir(parents=True)
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(LoopConfigError, match="--resume .* --overwrite"):
+        train(tiny(), demo_prompts(), out_dir=tmp_path, progress=False)
+    config = tmp_path.parent / f"{tmp_path.name}.yaml"
+    config.write_text(TINY_YAML.format(iterations=2, inter="true"))
+    assert main(["train", str(config), "--out", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "--resume" in err and "--overwrite" in err and str(tmp_path) in err
+    with pytest.raises(LoopConfigError, match="choose one"):
+        prepare_out_dir(tmp_path, 2, resume=True, overwrite=True)
+    # A folder without a marker is not a checkpoint: --resume starts afresh.
+    assert prepare_out_dir(tmp_path, 2, resume=True, overwrite=False) is None
+    # --overwrite deletes the earlier run's outputs, and only those.
+    assert prepare_out_dir(tmp_path, 2, resume=False, overwrite=True) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    help_text = build_parser()._subparsers._group_actions[0].choices["train"].format_help()
+    assert "--keep-checkpoints K" in help_text and "(default: 2)" in help_text
+    assert "(default: 1)" in help_text  # --checkpoint-every
+
+
+LIGHTNING_RUN = """
+import sys
+import lightning as L
+from torch.utils.data import DataLoader
+from rlhf_fusion.loop import RLHFConfig
+from rlhf_fusion.loop.demo import demo_prompts
+from rlhf_fusion.plugins import RLHFLoopStrategy, RLHFModule
+
+if __name__ == "__main__":
+    out = sys.argv[1]
+    cfg = RLHFConfig.from_file(sys.argv[2])
+    data = DataLoader(demo_prompts()[:8] * 50, batch_size=8, shuffle=False, drop_last=True)
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=out, every_n_train_steps=1,
+                                               save_top_k=-1, filename="{step}")
+    L.Trainer(accelerator="cpu", devices=2, max_epochs=1, strategy=RLHFLoopStrategy(timeout_s=60),
+              logger=False, callbacks=[ckpt], enable_progress_bar=False,
+              enable_model_summary=False, num_sanity_val_steps=0).fit(RLHFModule(cfg), data)
+"""
+
+
+def test_sigterm_to_a_lightning_run_stops_every_worker_within_10s(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text(TINY_YAML.format(iterations=1, inter="true"))
+    script = tmp_path / "fit.py"
+    script.write_text(LIGHTNING_RUN)
+    out = tmp_path / "ckpts"
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen([sys.executable, str(script), str(out), str(config)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while not list(out.glob("*.ckpt")):
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "no checkpoint within 300 s"
+        time.sleep(0.1)
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    assert len([p for p in tree if "spawn_main" in " ".join(p.cmdline())]) == 2
+    os.kill(proc.pid, signal.SIGTERM)
+    took = _gone_within(tree[1:], 10)
+    # The launching process then takes Lightning's interrupt path and torch's exit.
+    _, err = proc.communicate(timeout=60)
+    print(f"[lightning] SIGTERM: every worker gone {took:.2f} s later")
+    assert proc.returncode == 1, err[-3000:]
+    assert "Detected KeyboardInterrupt, attempting graceful shutdown" in err
+    assert "Traceback" not in err and "leaked semaphore" not in err, err[-3000:]
