@@ -279,7 +279,7 @@ def group_from_env(env: dict[str, str] | None = None) -> JoinedGroup | None:
     :class:`LaunchEnvError` naming the fix when the variables contradict each other."""
     env = dict(os.environ if env is None else env)
     given = [v for v in TORCHRUN_VARS if v in env]
-    if given:
+    if any(v in env for v in TORCHRUN_VARS[:3]):  # MASTER_* alone also serve SLURM
         missing = [v for v in TORCHRUN_VARS if v not in env]
         if missing:
             raise LaunchEnvError(
