@@ -235,30 +235,7 @@ def reference_run(tmp_path_factory):
     return tmp / "out"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_sigterm_and_sigint_stop_every_rank_within_10s_and_resume_is_exact(
-        tmp_path, reference_run, signum):
-    out = tmp_path / "out"
-    # Inter-stage fusion off: its R_t follows measured times, so two fused runs may differ in
-    # the last bit of a metric, interrupted or not; resume itself is what is checked here.
-    proc = _cli(tmp_path, out, iterations=N, inter=False)
-    _wait_rows(proc, out, 2)
-    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    assert any("resource_tracker" in " ".join(p.cmdline()) for p in tree[1:])
-    if signum == signal.SIGINT:
-        os.killpg(proc.pid, signum)   # Ctrl-C: the whole foreground process group
-    else:
-        os.kill(proc.pid, signum)     # a scheduler or supervisor: the launcher
-    took = _gone_within(tree, 10)
-    _, err = proc.communicate(timeout=10)
-    print(f"[signal] {signal.Signals(signum).name}: every process gone {took:.2f} s later")
-    assert proc.returncode == 128 + signum, err[-3000:]
-    assert f"stopped by {signal.Signals(signum).name}" in err
-    for bad in ("Traceback", "KeyboardInterrupt", "leaked semaphore"):
-        assert bad not in err, err[-3000:]
-    done = complete_checkpoints(out)
-    assert done and done[-1][0] < N, "the signal came after the run ended: raise N"
-    assert not list(out.glob("checkpoints/*.partial/COMPLETE"))
+def _resumes_exactly(tmp_path: Path, out: Path, reference_run: Path) -> None:
     resumed = _cli(tmp_path, out, "--resume", iterations=N, inter=False)
     _, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
@@ -267,6 +244,73 @@ def test_sigterm_and_sigint_stop_every_rank_within_10s_and_resume_is_exact(
     for a, b in zip(rows, ref, strict=True):
         assert {k: a[k] for k in LEARNING} == {k: b[k] for k in LEARNING}, a["iteration"]
     assert _same(_final_state(out, N), _final_state(reference_run, N))
+
+
+@pytest.mark.parametrize("checkpoint_every", [1, 100], ids=["every-iteration", "none-due"])
+def test_sigterm_ends_the_iteration_checkpoints_it_exits_0_and_resume_is_exact(
+        tmp_path, reference_run, checkpoint_every):
+    """Preemption: the launcher passes SIGTERM on, the ranks finish the iteration in
+    progress, write its checkpoint (also when none was due) and the run exits 0."""
+    out = tmp_path / "out"
+    # Inter-stage fusion off: its R_t follows measured times, so two fused runs may differ in
+    # the last bit of a metric, interrupted or not; resume itself is what is checked here.
+    proc = _cli(tmp_path, out, "--checkpoint-every", str(checkpoint_every), iterations=N,
+                inter=False)
+    _wait_rows(proc, out, 2)
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    os.kill(proc.pid, signal.SIGTERM)     # a scheduler or supervisor: the launcher
+    took = _gone_within(tree, 60)
+    _, err = proc.communicate(timeout=10)
+    print(f"[signal] SIGTERM: every process gone {took:.2f} s later")
+    assert proc.returncode == 0, err[-3000:]
+    for bad in ("Traceback", "leaked semaphore"):
+        assert bad not in err, err[-3000:]
+    done = complete_checkpoints(out)
+    stopped = done[-1][0]
+    assert stopped < N, "the signal came after the run ended: raise N"
+    assert f"stopped by SIGTERM after {stopped} of {N} iterations; its checkpoint is " \
+           f"{out / 'checkpoints' / f'iter_{stopped:05d}'}; continue with --resume" in err
+    assert [r["iteration"] for r in _rows(out)] == list(range(stopped))
+    assert not list(out.glob("checkpoints/*.partial"))
+    if checkpoint_every > 1:
+        assert [it for it, _ in done] == [stopped]
+    _resumes_exactly(tmp_path, out, reference_run)
+
+
+def test_sigint_stops_every_rank_within_10s_and_resume_is_exact(tmp_path, reference_run):
+    out = tmp_path / "out"
+    proc = _cli(tmp_path, out, iterations=N, inter=False)
+    _wait_rows(proc, out, 2)
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    assert any("resource_tracker" in " ".join(p.cmdline()) for p in tree[1:])
+    os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C: the whole foreground process group
+    took = _gone_within(tree, 10)
+    _, err = proc.communicate(timeout=10)
+    print(f"[signal] SIGINT: every process gone {took:.2f} s later")
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "stopped by SIGINT" in err
+    for bad in ("Traceback", "KeyboardInterrupt", "leaked semaphore"):
+        assert bad not in err, err[-3000:]
+    done = complete_checkpoints(out)
+    assert done and done[-1][0] < N, "the signal came after the run ended: raise N"
+    assert not list(out.glob("checkpoints/*.partial/COMPLETE"))
+    _resumes_exactly(tmp_path, out, reference_run)
+
+
+def test_sigterm_past_the_grace_drops_the_iteration_and_stops_every_rank(tmp_path):
+    """A run whose iteration does not end within --stop-grace is stopped at once (the
+    iteration in progress is dropped), with the last complete checkpoint kept."""
+    out = tmp_path / "out"
+    proc = _cli(tmp_path, out, "--stop-grace", "0.01", iterations=200)
+    _wait_rows(proc, out, 2)
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    os.kill(proc.pid, signal.SIGTERM)
+    took = _gone_within(tree, 15)
+    _, err = proc.communicate(timeout=10)
+    print(f"[signal] SIGTERM, grace 0.01 s: every process gone {took:.2f} s later")
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "did not reach an iteration boundary within 0.01 s" in err, err[-3000:]
+    assert "continue with --resume" in err and "Traceback" not in err, err[-3000:]
 
 
 def test_killing_the_launcher_leaves_no_rank_and_no_new_checkpoint(tmp_path):

@@ -124,8 +124,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .loop.demo import demo_prompts
 
     # SIGTERM: stop at the next iteration boundary with a checkpoint, exit 0 (preemption);
-    # SIGINT, a second SIGTERM, or no boundary within STOP_GRACE_S: stop every rank now.
-    stop_gracefully_on_signals()
+    # SIGINT, a second SIGTERM, or no boundary within --stop-grace: stop every rank now.
+    stop_gracefully_on_signals(args.stop_grace)
     try:
         group = group_from_env()   # started by torchrun or srun: this process is one rank
         lead = group is None or group.lead
@@ -171,6 +171,12 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     return run_logged("rlhf-fusion train", args.out, run, write_log=lead)
 
+
+STOP_GRACE_S = 25.0
+"""`train --stop-grace`'s default: seconds a SIGTERMed run has to finish its iteration and
+write the checkpoint before every rank is stopped at once. Below the 30 s that Kubernetes
+(terminationGracePeriodSeconds), SLURM (KillWait) and torchrun (--shutdown-timeout) wait
+before SIGKILL by default; raise theirs and this one together for longer iterations."""
 
 ERROR_LOG = "error.log"
 
@@ -408,6 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 2)")
     t.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest complete checkpoint")
+    t.add_argument("--stop-grace", type=float, default=STOP_GRACE_S, metavar="S",
+                   help="after SIGTERM (preemption) the run finishes its iteration, writes its "
+                        "checkpoint and exits 0; if that takes longer than S seconds every "
+                        f"rank is stopped at once, the iteration dropped (default: "
+                        f"{STOP_GRACE_S:g})")
     t.add_argument("--overwrite", action="store_true",
                    help="start over in a non-empty --out (deletes its metrics, checkpoints and "
                         "error.log)")

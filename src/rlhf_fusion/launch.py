@@ -97,9 +97,10 @@ class LaunchEnvError(ValueError):
 class RunInterrupted(Exception):
     """The launcher was asked to stop (SIGTERM or SIGINT); every rank has been stopped."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, reason: str = ""):
         self.signum = signum
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
+        super().__init__(f"stopped by {signal.Signals(signum).name}"
+                         + (f": {reason}" if reason else ""))
 
 
 def raise_on_signals(signums: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
@@ -134,11 +135,6 @@ def exit_promptly(code: int) -> NoReturn:
 
 # -- stopping at an iteration boundary (preemption) ---------------------------------------------
 
-STOP_GRACE_S = 45.0
-"""Seconds a SIGTERMed run has to reach its next iteration boundary and write its checkpoint
-before every rank is stopped at once (the iteration in progress is then dropped). Below the
-60 s SLURM's and Kubernetes' default grace periods leave before SIGKILL."""
-
 _stop_signal: int | None = None
 _children: list[Any] = []  # the ranks run_ranks is waiting on: a stop request is passed on
 
@@ -160,17 +156,19 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, _record_stop)
 
 
-def stop_gracefully_on_signals(grace: float = STOP_GRACE_S) -> None:
+def stop_gracefully_on_signals(grace: float) -> None:
     """CLI use, in the process that runs the command: the first SIGTERM asks for a stop at the
     next iteration boundary (passed on to the ranks :func:`run_ranks` spawned) and raises
     :class:`RunInterrupted` if the run has not ended ``grace`` seconds later; SIGINT, or a
     second SIGTERM, raises it at once (stop every rank now, as :func:`raise_on_signals`)."""
 
-    def now(signum: int, frame: Any = None) -> None:
+    def now(signum: int, frame: Any = None, reason: str = "") -> None:
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
             signal.signal(s, signal.SIG_IGN)
         signal.setitimer(signal.ITIMER_REAL, 0)
-        raise RunInterrupted(signum)
+        raise RunInterrupted(signum, reason)
+
+    late = f"the run did not reach an iteration boundary within {grace:g} s (--stop-grace)"
 
     def on_term(signum: int, frame: Any) -> None:
         if _stop_signal is not None:
@@ -182,7 +180,7 @@ def stop_gracefully_on_signals(grace: float = STOP_GRACE_S) -> None:
                     os.kill(p.pid, signal.SIGTERM)
                 except ProcessLookupError:
                     pass
-        signal.signal(signal.SIGALRM, lambda s, f: now(signal.SIGTERM))
+        signal.signal(signal.SIGALRM, lambda s, f: now(signal.SIGTERM, reason=late))
         signal.setitimer(signal.ITIMER_REAL, grace)
 
     signal.signal(signal.SIGTERM, on_term)
