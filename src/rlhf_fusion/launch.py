@@ -192,10 +192,17 @@ def cancel_stop_deadline() -> None:
     signal.setitimer(signal.ITIMER_REAL, 0)
 
 
-def agree_to_stop() -> bool:
-    """Whether any rank was asked to stop; every rank must call it at the same point (it is a
-    collective on the default group when one is set up)."""
-    asked = int(_stop_signal is not None)
+def clear_stop_request() -> None:
+    """Forget a stop request (the run it was for has stopped)."""
+    global _stop_signal
+    _stop_signal = None
+
+
+def agree_to_stop(also: bool = False) -> bool:
+    """Whether any rank was asked to stop (by a signal, or ``also`` on some rank); every rank
+    must call it at the same point (it is a collective on the default group when one is set
+    up)."""
+    asked = int(_stop_signal is not None or also)
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         flag = torch.tensor([asked], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
