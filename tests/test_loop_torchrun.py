@@ -229,6 +229,25 @@ def test_sigterm_to_the_torchrun_agents_is_passed_on_and_the_ranks_checkpoint(tm
     assert not list(outs[0].glob("checkpoints/*.partial"))
 
 
+def test_processes_started_with_srun_variables_join_and_equal_the_spawned_run(
+        tmp_path, spawned_run):
+    """What srun gives each task (no SLURM here: the variables set by hand, one process per
+    task started separately) is enough to join: the same result as the spawned run."""
+    port = free_port()
+    config = _config(tmp_path)
+    outs = (tmp_path / "out", tmp_path / "node1" / "out")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "rlhf_fusion.cli", "train", str(config), "--out", str(outs[r])],
+        env={**_env(), "SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+             "SLURM_NODELIST": "localhost", "SLURM_JOB_ID": "4242", "MASTER_PORT": str(port)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        for r in range(2)]
+    errs = _finish(procs, 600)
+    assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for e in errs]
+    assert _max_diff(_params(outs[0], N), _params(spawned_run, N)) <= 1e-6
+    assert not outs[1].exists()
+
+
 # -- the environment: torchrun's and SLURM's variables -------------------------------------------
 
 SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
