@@ -162,6 +162,7 @@ def _train_joined(group: Any, cfg: RLHFConfig, prompts: Sequence[str],
             f"{group.world_size} (and a placement for that many devices), or start "
             f"{cfg.world_size} processes ({how})")
     device = join_group(group, timeout=cfg.fusion.timeout_s)
+    plan_copy = None
     try:
         setup: list[Any] = [None]
         if group.lead:
@@ -180,7 +181,8 @@ def _train_joined(group: Any, cfg: RLHFConfig, prompts: Sequence[str],
         cfg, prompt_ids, start, plan = got
         if plan is not None and not group.lead:
             # rank 0's folder may be on another node: this rank reads its own copy
-            where = Path(tempfile.mkdtemp(prefix="rlhf-fusion-plan-")) / "plan.json"
+            plan_copy = Path(tempfile.mkdtemp(prefix="rlhf-fusion-plan-"))
+            where = plan_copy / "plan.json"
             where.write_text(plan)
             cfg = copy.deepcopy(cfg)
             cfg.placement.plan = str(where)
@@ -190,6 +192,8 @@ def _train_joined(group: Any, cfg: RLHFConfig, prompts: Sequence[str],
                         progress, stop_after, timeline_serial, keep_experiences, keep,
                         device=str(device))
     finally:
+        if plan_copy is not None:
+            shutil.rmtree(plan_copy, ignore_errors=True)
         try:
             dist.destroy_process_group()
         except Exception:  # noqa: BLE001 - after a failure the group may be half gone
