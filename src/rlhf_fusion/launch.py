@@ -20,13 +20,14 @@ Unlike ``torch.multiprocessing.spawn`` this never hangs and never loses a rank's
 * ranks die with the launcher: ``PR_SET_PDEATHSIG`` on Linux, and a watchdog on the parent's
   pid everywhere, so a killed launcher leaves no rank behind (:func:`orphaned` lets a rank
   check before it writes anything lasting);
-* an exception in the launcher while it waits (``KeyboardInterrupt``, or a SIGTERM handler's
-  :class:`RunInterrupted`) stops every rank before it propagates. Ranks ignore SIGINT: a
-  Ctrl-C reaches them through the launcher, not as a traceback of their own.
+* an exception in the launcher while it waits (``KeyboardInterrupt``, or the
+  :class:`RunInterrupted` of :func:`stop_gracefully_on_signals`) stops every rank (SIGKILL)
+  before it propagates. Ranks ignore SIGINT: a Ctrl-C reaches them through the launcher, not
+  as a traceback of their own; SIGTERM is a stop request to them (below).
 
 So a fault-injection test can assert *how* each surviving rank failed.
 
-Two more things every launched process shares:
+Two more things for processes that run the loop:
 
 * **joining a group started elsewhere**: :func:`group_from_env` reads the environment that
   ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or ``srun``
@@ -103,22 +104,6 @@ class RunInterrupted(Exception):
                          + (f": {reason}" if reason else ""))
 
 
-def raise_on_signals(signums: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
-    """Make these signals raise :class:`RunInterrupted` in the main thread (CLI use): the
-    launcher then stops its ranks and the caller exits cleanly."""
-
-    signums = tuple(signums)
-
-    def handler(signum: int, frame: Any) -> None:
-        # Once: a second Ctrl-C must not interrupt the clean-up of the first (bounded anyway).
-        for s in signums:
-            signal.signal(s, signal.SIG_IGN)
-        raise RunInterrupted(signum)
-
-    for s in signums:
-        signal.signal(s, handler)
-
-
 def exit_promptly(code: int) -> NoReturn:
     """End this process now, after a stop signal: Python's exit handlers run (multiprocessing's
     clean-up among them), torch's C++ static destructors do not (seconds on a loaded
@@ -160,7 +145,7 @@ def stop_gracefully_on_signals(grace: float) -> None:
     """CLI use, in the process that runs the command: the first SIGTERM asks for a stop at the
     next iteration boundary (passed on to the ranks :func:`run_ranks` spawned) and raises
     :class:`RunInterrupted` if the run has not ended ``grace`` seconds later; SIGINT, or a
-    second SIGTERM, raises it at once (stop every rank now, as :func:`raise_on_signals`)."""
+    second SIGTERM, raises it at once (:func:`run_ranks` then stops every rank)."""
 
     def now(signum: int, frame: Any = None, reason: str = "") -> None:
         for s in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
