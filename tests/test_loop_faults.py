@@ -235,30 +235,7 @@ def reference_run(tmp_path_factory):
     return tmp / "out"
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_sigterm_and_sigint_stop_every_rank_within_10s_and_resume_is_exact(
-        tmp_path, reference_run, signum):
-    out = tmp_path / "out"
-    # Inter-stage fusion off: its R_t follows measured times, so two fused runs may differ in
-    # the last bit of a metric, interrupted or not; resume itself is what is checked here.
-    proc = _cli(tmp_path, out, iterations=N, inter=False)
-    _wait_rows(proc, out, 2)
-    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    assert any("resource_tracker" in " ".join(p.cmdline()) for p in tree[1:])
-    if signum == signal.SIGINT:
-        os.killpg(proc.pid, signum)   # Ctrl-C: the whole foreground process group
-    else:
-        os.kill(proc.pid, signum)     # a scheduler or supervisor: the launcher
-    took = _gone_within(tree, 10)
-    _, err = proc.communicate(timeout=10)
-    print(f"[signal] {signal.Signals(signum).name}: every process gone {took:.2f} s later")
-    assert proc.returncode == 128 + signum, err[-3000:]
-    assert f"stopped by {signal.Signals(signum).name}" in err
-    for bad in ("Traceback", "KeyboardInterrupt", "leaked semaphore"):
-        assert bad not in err, err[-3000:]
-    done = complete_checkpoints(out)
-    assert done and done[-1][0] < N, "the signal came after the run ended: raise N"
-    assert not list(out.glob("checkpoints/*.partial/COMPLETE"))
+def _resumes_exactly(tmp_path: Path, out: Path, reference_run: Path) -> None:
     resumed = _cli(tmp_path, out, "--resume", iterations=N, inter=False)
     _, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err[-3000:]
@@ -267,6 +244,73 @@ def test_sigterm_and_sigint_stop_every_rank_within_10s_and_resume_is_exact(
     for a, b in zip(rows, ref, strict=True):
         assert {k: a[k] for k in LEARNING} == {k: b[k] for k in LEARNING}, a["iteration"]
     assert _same(_final_state(out, N), _final_state(reference_run, N))
+
+
+@pytest.mark.parametrize("checkpoint_every", [1, 100], ids=["every-iteration", "none-due"])
+def test_sigterm_ends_the_iteration_checkpoints_it_exits_0_and_resume_is_exact(
+        tmp_path, reference_run, checkpoint_every):
+    """Preemption: the launcher passes SIGTERM on, the ranks finish the iteration in
+    progress, write its checkpoint (also when none was due) and the run exits 0."""
+    out = tmp_path / "out"
+    # Inter-stage fusion off: its R_t follows measured times, so two fused runs may differ in
+    # the last bit of a metric, interrupted or not; resume itself is what is checked here.
+    proc = _cli(tmp_path, out, "--checkpoint-every", str(checkpoint_every), iterations=N,
+                inter=False)
+    _wait_rows(proc, out, 2)
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    os.kill(proc.pid, signal.SIGTERM)     # a scheduler or supervisor: the launcher
+    took = _gone_within(tree, 60)
+    _, err = proc.communicate(timeout=10)
+    print(f"[signal] SIGTERM: every process gone {took:.2f} s later")
+    assert proc.returncode == 0, err[-3000:]
+    for bad in ("Traceback", "leaked semaphore"):
+        assert bad not in err, err[-3000:]
+    done = complete_checkpoints(out)
+    stopped = done[-1][0]
+    assert stopped < N, "the signal came after the run ended: raise N"
+    assert f"stopped by SIGTERM after {stopped} of {N} iterations; its checkpoint is " \
+           f"{out / 'checkpoints' / f'iter_{stopped:05d}'}; continue with --resume" in err
+    assert [r["iteration"] for r in _rows(out)] == list(range(stopped))
+    assert not list(out.glob("checkpoints/*.partial"))
+    if checkpoint_every > 1:
+        assert [it for it, _ in done] == [stopped]
+    _resumes_exactly(tmp_path, out, reference_run)
+
+
+def test_sigint_stops_every_rank_within_10s_and_resume_is_exact(tmp_path, reference_run):
+    out = tmp_path / "out"
+    proc = _cli(tmp_path, out, iterations=N, inter=False)
+    _wait_rows(proc, out, 2)
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    assert any("resource_tracker" in " ".join(p.cmdline()) for p in tree[1:])
+    os.killpg(proc.pid, signal.SIGINT)   # Ctrl-C: the whole foreground process group
+    took = _gone_within(tree, 10)
+    _, err = proc.communicate(timeout=10)
+    print(f"[signal] SIGINT: every process gone {took:.2f} s later")
+    assert proc.returncode == 128 + signal.SIGINT, err[-3000:]
+    assert "stopped by SIGINT" in err
+    for bad in ("Traceback", "KeyboardInterrupt", "leaked semaphore"):
+        assert bad not in err, err[-3000:]
+    done = complete_checkpoints(out)
+    assert done and done[-1][0] < N, "the signal came after the run ended: raise N"
+    assert not list(out.glob("checkpoints/*.partial/COMPLETE"))
+    _resumes_exactly(tmp_path, out, reference_run)
+
+
+def test_sigterm_past_the_grace_drops_the_iteration_and_stops_every_rank(tmp_path):
+    """A run whose iteration does not end within --stop-grace is stopped at once (the
+    iteration in progress is dropped), with the last complete checkpoint kept."""
+    out = tmp_path / "out"
+    proc = _cli(tmp_path, out, "--stop-grace", "0.01", iterations=200)
+    _wait_rows(proc, out, 2)
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    os.kill(proc.pid, signal.SIGTERM)
+    took = _gone_within(tree, 15)
+    _, err = proc.communicate(timeout=10)
+    print(f"[signal] SIGTERM, grace 0.01 s: every process gone {took:.2f} s later")
+    assert proc.returncode == 128 + signal.SIGTERM, err[-3000:]
+    assert "did not reach an iteration boundary within 0.01 s" in err, err[-3000:]
+    assert "continue with --resume" in err and "Traceback" not in err, err[-3000:]
 
 
 def test_killing_the_launcher_leaves_no_rank_and_no_new_checkpoint(tmp_path):
@@ -353,44 +397,67 @@ def test_a_non_empty_out_needs_resume_or_overwrite(tmp_path, monkeypatch, capsys
 LIGHTNING_RUN = """
 import sys
 import lightning as L
-from torch.utils.data import DataLoader
 from rlhf_fusion.loop import RLHFConfig
 from rlhf_fusion.loop.demo import demo_prompts
-from rlhf_fusion.plugins import RLHFLoopStrategy, RLHFModule
+from rlhf_fusion.plugins import PromptLoader, RLHFLoopStrategy, RLHFModule
 
 if __name__ == "__main__":
-    out = sys.argv[1]
-    cfg = RLHFConfig.from_file(sys.argv[2])
-    data = DataLoader(demo_prompts()[:8] * 50, batch_size=8, shuffle=False, drop_last=True)
-    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=out, every_n_train_steps=1,
-                                               save_top_k=-1, filename="{step}")
-    L.Trainer(accelerator="cpu", devices=2, max_epochs=1, strategy=RLHFLoopStrategy(timeout_s=60),
-              logger=False, callbacks=[ckpt], enable_progress_bar=False,
-              enable_model_summary=False, num_sanity_val_steps=0).fit(RLHFModule(cfg), data)
+    out, config, ckpt_path = sys.argv[1], sys.argv[2], sys.argv[3] if len(sys.argv) > 3 else None
+    cfg = RLHFConfig.from_file(config)
+    data = PromptLoader(demo_prompts()[:64], 8, shuffle=True, seed=7)   # 8 iterations
+    ckpt = L.pytorch.callbacks.ModelCheckpoint(dirpath=out + "/steps", every_n_train_steps=1,
+                                               save_top_k=-1, filename="{step}", save_last=True)
+    L.Trainer(accelerator="cpu", devices=2, max_epochs=1, default_root_dir=out,
+              strategy=RLHFLoopStrategy(timeout_s=60), logger=False, callbacks=[ckpt],
+              enable_progress_bar=False, enable_model_summary=False,
+              num_sanity_val_steps=0).fit(RLHFModule(cfg), data, ckpt_path=ckpt_path)
 """
 
 
-def test_sigterm_to_a_lightning_run_stops_every_worker_within_10s(tmp_path):
+def _lightning(tmp_path: Path, out: Path, *args: str) -> subprocess.Popen:
     config = tmp_path / "run.yaml"
-    config.write_text(TINY_YAML.format(iterations=1, inter="true"))
+    # inter-stage fusion off: the uninterrupted run is deterministic bit for bit
+    config.write_text(TINY_YAML.format(iterations=1, inter="false"))
     script = tmp_path / "fit.py"
     script.write_text(LIGHTNING_RUN)
-    out = tmp_path / "ckpts"
     env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.Popen([sys.executable, str(script), str(out), str(config)], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen([sys.executable, str(script), str(out), str(config), *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _lightning_params(path: Path) -> dict:
+    shares = torch.load(path, map_location="cpu", weights_only=False)["rlhf_loop_ranks"]
+    return {r: (s["models"], s["optimizers"]) for r, s in enumerate(shares)}
+
+
+def test_sigterm_to_a_lightning_run_checkpoints_exits_0_and_resume_is_exact(tmp_path):
+    whole = _lightning(tmp_path, tmp_path / "whole")
+    proc = _lightning(tmp_path, tmp_path / "run")
+    steps = tmp_path / "run" / "steps"
     deadline = time.monotonic() + 300
-    while not list(out.glob("*.ckpt")):
+    while not (steps / "step=2.ckpt").exists():
         assert proc.poll() is None, proc.communicate()[1][-3000:]
         assert time.monotonic() < deadline, "no checkpoint within 300 s"
-        time.sleep(0.1)
+        time.sleep(0.05)
     tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
     assert len([p for p in tree if "spawn_main" in " ".join(p.cmdline())]) == 2
-    os.kill(proc.pid, signal.SIGTERM)
-    took = _gone_within(tree[1:], 10)
-    # The launching process then takes Lightning's interrupt path and torch's exit.
-    _, err = proc.communicate(timeout=60)
-    print(f"[lightning] SIGTERM: every worker gone {took:.2f} s later")
-    assert proc.returncode == 1, err[-3000:]
-    assert "Detected KeyboardInterrupt, attempting graceful shutdown" in err
+    os.kill(proc.pid, signal.SIGTERM)   # the launching process: it passes it on
+    took = _gone_within(tree, 60)
+    _, err = proc.communicate(timeout=10)
+    print(f"[lightning] SIGTERM: every process gone {took:.2f} s later")
+    assert proc.returncode == 0, err[-3000:]
     assert "Traceback" not in err and "leaked semaphore" not in err, err[-3000:]
+    hpc = tmp_path / "run" / "hpc_ckpt_1.ckpt"
+    assert hpc.exists() and not list((tmp_path / "run").glob("*.tmp")), err[-3000:]
+    stopped = torch.load(hpc, map_location="cpu", weights_only=False)["global_step"]
+    assert 2 <= stopped < 8, "the signal came after the run ended"
+    resumed = _lightning(tmp_path, tmp_path / "run", "hpc")
+    _, err = resumed.communicate(timeout=600)
+    assert resumed.returncode == 0, err[-3000:]
+    _, err = whole.communicate(timeout=600)
+    assert whole.returncode == 0, err[-3000:]
+    a = torch.load(tmp_path / "run" / "steps" / "last.ckpt", weights_only=False)
+    b = torch.load(tmp_path / "whole" / "steps" / "last.ckpt", weights_only=False)
+    assert a["global_step"] == b["global_step"] == 8
+    assert _same(_lightning_params(tmp_path / "run" / "steps" / "last.ckpt"),
+                 _lightning_params(tmp_path / "whole" / "steps" / "last.ckpt"))

@@ -117,3 +117,46 @@ def test_bf16_mixed_trains_through_the_pipeline(tmp_path):
     assert all(math.isfinite(d) for d in diffs)
     # bf16 autocast changed the arithmetic, and training still went where fp32 went.
     assert 0 < max(diffs) < 0.05
+
+
+class _SigtermAt(L.pytorch.Callback):
+    """SIGTERM to this very process as step ``at`` starts (a scheduler's, mid-run)."""
+
+    def __init__(self, at: int) -> None:
+        self.at = at
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        if batch_idx == self.at:
+            import os
+            import signal
+
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_sigterm_on_one_device_checkpoints_the_step_and_resumes_exactly(tmp_path):
+    """RLHFModule alone: SIGTERM during step 1 ends fit normally after it, with an hpc
+    checkpoint that ``ckpt_path="hpc"`` resumes to the uninterrupted run's parameters."""
+    import signal
+
+    cfg = tiny(1, inter=False, intra=False)
+    prompts = demo_prompts()[:48]
+
+    def trainer(name: str, callbacks=()) -> L.Trainer:
+        return L.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False,
+                         default_root_dir=tmp_path / name, callbacks=list(callbacks),
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, num_sanity_val_steps=0)
+
+    before = signal.getsignal(signal.SIGTERM)
+    whole = RLHFModule(cfg)
+    trainer("whole").fit(whole, PromptLoader(prompts, 16))
+    stopped = RLHFModule(cfg)
+    t = trainer("run", [_SigtermAt(1)])
+    t.fit(stopped, PromptLoader(prompts, 16))
+    assert signal.getsignal(signal.SIGTERM) == before   # Lightning put the handler back
+    assert t.global_step == 2 and stopped.stopped_checkpoint is not None
+    assert stopped.stopped_checkpoint == str(tmp_path / "run" / "hpc_ckpt_1.ckpt")
+    assert max_diff(ckpt_state(stopped.stopped_checkpoint), whole.trained_state()) > 0
+    resumed = RLHFModule(cfg)
+    trainer("run").fit(resumed, PromptLoader(prompts, 16), ckpt_path="hpc")
+    assert max_diff(resumed.trained_state(), whole.trained_state()) == 0.0

@@ -109,13 +109,26 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from .launch import RunInterrupted, exit_promptly, raise_on_signals
+    import signal
+
+    from .launch import (
+        LaunchEnvError,
+        RunInterrupted,
+        cancel_stop_deadline,
+        exit_promptly,
+        group_from_env,
+        stop_gracefully_on_signals,
+    )
     from .loop import LoopConfigError, RLHFConfig, load_prompts, train
-    from .loop.checkpoint import complete_checkpoints
+    from .loop.checkpoint import checkpoint_dir, complete_checkpoints
     from .loop.demo import demo_prompts
 
-    raise_on_signals()  # SIGTERM/SIGINT: stop every rank, keep the last complete checkpoint
+    # SIGTERM: stop at the next iteration boundary with a checkpoint, exit 0 (preemption);
+    # SIGINT, a second SIGTERM, or no boundary within --stop-grace: stop every rank now.
+    stop_gracefully_on_signals(args.stop_grace)
     try:
+        group = group_from_env()   # started by torchrun or srun: this process is one rank
+        lead = group is None or group.lead
         cfg = RLHFConfig.from_file(args.config)
         if args.iterations is not None:
             cfg.iterations = args.iterations
@@ -127,34 +140,52 @@ def cmd_train(args: argparse.Namespace) -> int:
             prompts = load_prompts(cfg.prompts)
         else:
             prompts = demo_prompts()
-            print(f"prompts: {args.config} sets none; using the demo's {len(prompts)} prompts "
-                  "(rlhf_fusion/loop/data/prompts.txt); set prompts: FILE for your own",
-                  file=sys.stderr)
-    except LoopConfigError as exc:
+            if lead:
+                print(f"prompts: {args.config} sets none; using the demo's {len(prompts)} "
+                      "prompts (rlhf_fusion/loop/data/prompts.txt); set prompts: FILE for "
+                      "your own", file=sys.stderr)
+    except (LoopConfigError, LaunchEnvError) as exc:
         print(f"rlhf-fusion train: error: {exc}", file=sys.stderr)
         return 2
 
     def run() -> None:
         try:
-            train(cfg, prompts, out_dir=args.out, checkpoint_every=args.checkpoint_every,
-                  resume=args.resume, overwrite=args.overwrite,
-                  keep_checkpoints=args.keep_checkpoints)
+            out = train(cfg, prompts, out_dir=args.out, checkpoint_every=args.checkpoint_every,
+                        resume=args.resume, overwrite=args.overwrite,
+                        keep_checkpoints=args.keep_checkpoints)
         except RunInterrupted as exc:
             done = complete_checkpoints(args.out)
             where = (f"the last complete checkpoint is {done[-1][1]}; continue with --resume"
                      if done else "no checkpoint was complete")
             print(f"\nrlhf-fusion train: {exc}; every rank stopped, {where}", file=sys.stderr)
             exit_promptly(128 + exc.signum)
+        finally:
+            cancel_stop_deadline()
+        if out.get("stopped") is not None and lead:
+            it = out["stopped"]
+            name = signal.Signals(out["stop_signal"] or signal.SIGTERM).name
+            where = (f"its checkpoint is {checkpoint_dir(args.out, it)}; continue with --resume"
+                     if it else "no iteration had finished, nothing to resume")
+            print(f"\nrlhf-fusion train: stopped by {name} after {it} of {cfg.iterations} "
+                  f"iterations; {where}", file=sys.stderr)
 
-    return run_logged("rlhf-fusion train", args.out, run)
+    return run_logged("rlhf-fusion train", args.out, run, write_log=lead)
 
+
+STOP_GRACE_S = 25.0
+"""`train --stop-grace`'s default: seconds a SIGTERMed run has to finish its iteration and
+write the checkpoint before every rank is stopped at once. Below the 30 s that Kubernetes
+(terminationGracePeriodSeconds), SLURM (KillWait) and torchrun (--shutdown-timeout) wait
+before SIGKILL by default; raise theirs and this one together for longer iterations."""
 
 ERROR_LOG = "error.log"
 
 
-def run_logged(prog: str, out: str | Path, run: Callable[[], Any]) -> int:
+def run_logged(prog: str, out: str | Path, run: Callable[[], Any], *,
+               write_log: bool = True) -> int:
     """Run, and turn any failure into one line on stderr, ``PROG: error: CAUSE`` (exit 2 for
-    a config error found late, exit 1 otherwise), with every traceback in ``OUT/error.log``.
+    a config error found late, exit 1 otherwise), with every traceback in ``OUT/error.log``
+    (on stderr instead without ``write_log``: a rank other than 0 writes nothing into OUT).
     The examples report their errors through it too."""
     import traceback
 
@@ -166,6 +197,10 @@ def run_logged(prog: str, out: str | Path, run: Callable[[], Any]) -> int:
         print(f"{prog}: error: {exc}", file=sys.stderr)
         return 2
     except Exception as exc:  # noqa: BLE001 - reported in one line, logged in full
+        if not write_log:
+            print(traceback.format_exc(), file=sys.stderr)
+            print(f"{prog}: error: {_one_line(exc)}", file=sys.stderr)
+            return 1
         log = _write_error_log(out, traceback.format_exc(), exc)
         print(f"{prog}: error: {_one_line(exc)} (full traceback: {log})",
               file=sys.stderr)
@@ -379,6 +414,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: 2)")
     t.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest complete checkpoint")
+    t.add_argument("--stop-grace", type=float, default=STOP_GRACE_S, metavar="S",
+                   help="after SIGTERM (preemption) the run finishes its iteration, writes its "
+                        "checkpoint and exits 0; if that takes longer than S seconds every "
+                        f"rank is stopped at once, the iteration dropped (default: "
+                        f"{STOP_GRACE_S:g})")
     t.add_argument("--overwrite", action="store_true",
                    help="start over in a non-empty --out (deletes its metrics, checkpoints and "
                         "error.log)")

@@ -20,11 +20,23 @@ Unlike ``torch.multiprocessing.spawn`` this never hangs and never loses a rank's
 * ranks die with the launcher: ``PR_SET_PDEATHSIG`` on Linux, and a watchdog on the parent's
   pid everywhere, so a killed launcher leaves no rank behind (:func:`orphaned` lets a rank
   check before it writes anything lasting);
-* an exception in the launcher while it waits (``KeyboardInterrupt``, or a SIGTERM handler's
-  :class:`RunInterrupted`) stops every rank before it propagates. Ranks ignore SIGINT: a
-  Ctrl-C reaches them through the launcher, not as a traceback of their own.
+* an exception in the launcher while it waits (``KeyboardInterrupt``, or the
+  :class:`RunInterrupted` of :func:`stop_gracefully_on_signals`) stops every rank (SIGKILL)
+  before it propagates. Ranks ignore SIGINT: a Ctrl-C reaches them through the launcher, not
+  as a traceback of their own; SIGTERM is a stop request to them (below).
 
 So a fault-injection test can assert *how* each surviving rank failed.
+
+Two more things for processes that run the loop:
+
+* **joining a group started elsewhere**: :func:`group_from_env` reads the environment that
+  ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or ``srun``
+  (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODELIST) gives each process, and
+  :func:`join_group` joins that group instead of spawning ranks;
+* **a stop at an iteration boundary** (preemption): :func:`stop_on_sigterm` makes SIGTERM only
+  record a request, :func:`agree_to_stop` tells every rank, at the same point of the run,
+  whether any of them was asked to stop (SLURM signals every process, ``torchrun`` forwards
+  the signal to its own node's ranks, a launcher forwards it to its spawned ranks).
 """
 
 from __future__ import annotations
@@ -78,28 +90,18 @@ class DistributedRunError(RuntimeError):
         return {r.rank: r for r in self.results if not r.ok}
 
 
+class LaunchEnvError(ValueError):
+    """The torchrun/SLURM environment of this process is inconsistent; the message names the
+    fix."""
+
+
 class RunInterrupted(Exception):
     """The launcher was asked to stop (SIGTERM or SIGINT); every rank has been stopped."""
 
-    def __init__(self, signum: int):
+    def __init__(self, signum: int, reason: str = ""):
         self.signum = signum
-        super().__init__(f"stopped by {signal.Signals(signum).name}")
-
-
-def raise_on_signals(signums: Iterable[int] = (signal.SIGTERM, signal.SIGINT)) -> None:
-    """Make these signals raise :class:`RunInterrupted` in the main thread (CLI use): the
-    launcher then stops its ranks and the caller exits cleanly."""
-
-    signums = tuple(signums)
-
-    def handler(signum: int, frame: Any) -> None:
-        # Once: a second Ctrl-C must not interrupt the clean-up of the first (bounded anyway).
-        for s in signums:
-            signal.signal(s, signal.SIG_IGN)
-        raise RunInterrupted(signum)
-
-    for s in signums:
-        signal.signal(s, handler)
+        super().__init__(f"stopped by {signal.Signals(signum).name}"
+                         + (f": {reason}" if reason else ""))
 
 
 def exit_promptly(code: int) -> NoReturn:
@@ -114,6 +116,226 @@ def exit_promptly(code: int) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+# -- stopping at an iteration boundary (preemption) ---------------------------------------------
+
+_stop_signal: int | None = None
+_children: list[Any] = []  # the ranks run_ranks is waiting on: a stop request is passed on
+
+
+def stop_requested() -> int | None:
+    """The signal that asked this process to stop at the next boundary (None: none did)."""
+    return _stop_signal
+
+
+def _record_stop(signum: int, frame: Any) -> None:
+    global _stop_signal
+    if _stop_signal is None:
+        _stop_signal = signum
+
+
+def stop_on_sigterm() -> None:
+    """Make SIGTERM only record a stop request (a rank: the run checks it with
+    :func:`agree_to_stop` at its iteration boundaries)."""
+    signal.signal(signal.SIGTERM, _record_stop)
+
+
+def stop_gracefully_on_signals(grace: float) -> None:
+    """CLI use, in the process that runs the command: the first SIGTERM asks for a stop at the
+    next iteration boundary (passed on to the ranks :func:`run_ranks` spawned) and raises
+    :class:`RunInterrupted` if the run has not ended ``grace`` seconds later; SIGINT, or a
+    second SIGTERM, raises it at once (:func:`run_ranks` then stops every rank)."""
+
+    def now(signum: int, frame: Any = None, reason: str = "") -> None:
+        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
+            signal.signal(s, signal.SIG_IGN)
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        raise RunInterrupted(signum, reason)
+
+    late = f"the run did not reach an iteration boundary within {grace:g} s (--stop-grace)"
+
+    def on_term(signum: int, frame: Any) -> None:
+        if _stop_signal is not None:
+            now(signum)
+        _record_stop(signum, frame)
+        for p in list(_children):
+            if p.pid is not None and p.is_alive():
+                try:
+                    os.kill(p.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+        signal.signal(signal.SIGALRM, lambda s, f: now(signal.SIGTERM, reason=late))
+        signal.setitimer(signal.ITIMER_REAL, grace)
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, now)
+
+
+def cancel_stop_deadline() -> None:
+    """The run ended by itself: the ``grace`` deadline of a stop request no longer applies."""
+    signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def clear_stop_request() -> None:
+    """Forget a stop request (the run it was for has stopped)."""
+    global _stop_signal
+    _stop_signal = None
+
+
+def agree_to_stop(also: bool = False) -> bool:
+    """Whether any rank was asked to stop (by a signal, or ``also`` on some rank); every rank
+    must call it at the same point (it is a collective on the default group when one is set
+    up)."""
+    asked = int(_stop_signal is not None or also)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        flag = torch.tensor([asked], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        asked = int(flag.item())
+    return bool(asked)
+
+
+# -- joining a process group started by torchrun or srun -----------------------------------------
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@dataclass(frozen=True)
+class JoinedGroup:
+    """Where this process stands in a group started outside rlhf-fusion."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    master_addr: str
+    master_port: int
+    source: str  # "torchrun" (the five variables, whoever set them) or "SLURM"
+
+    @property
+    def lead(self) -> bool:
+        return self.rank == 0
+
+
+def _int_var(env: dict[str, str], name: str, fix: str) -> int:
+    try:
+        value = int(env[name])
+    except ValueError:
+        raise LaunchEnvError(f"{name}={env[name]!r} is not an integer; {fix}") from None
+    if value < 0:
+        raise LaunchEnvError(f"{name}={value} is negative; {fix}")
+    return value
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """SLURM's compressed host list (``node[01-03,7],gpu-a``) as host names, in order (what
+    ``scontrol show hostnames`` prints)."""
+    hosts: list[str] = []
+    depth, start = 0, 0
+    for i, ch in enumerate(text + ","):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            if text[start:i].strip():
+                hosts.extend(_expand_host(text[start:i].strip()))
+            start = i + 1
+    if depth != 0:
+        raise LaunchEnvError(f"host list {text!r}: unbalanced brackets")
+    return hosts
+
+
+def _expand_host(name: str) -> list[str]:
+    open_ = name.find("[")
+    if open_ < 0:
+        return [name]
+    close = name.find("]", open_)
+    head, body, tail = name[:open_], name[open_ + 1:close], name[close + 1:]
+    values = []
+    for part in body.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise LaunchEnvError(f"host list entry {name!r}: {part!r} is not N or N-M")
+        for v in range(int(lo), int(hi or lo) + 1):
+            values.append(str(v).zfill(len(lo)))
+    return [head + v + rest for v in values for rest in _expand_host(tail)]
+
+
+def group_from_env(env: dict[str, str] | None = None) -> JoinedGroup | None:
+    """The group this process was started in, read from torchrun's variables (RANK,
+    WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; they win when both are set) or SLURM's
+    (SLURM_PROCID, SLURM_NTASKS or SLURM_STEP_NUM_TASKS, SLURM_LOCALID, the first host of
+    SLURM_STEP_NODELIST / SLURM_JOB_NODELIST / SLURM_NODELIST unless MASTER_ADDR is set,
+    MASTER_PORT or 15000 + the last 4 digits of SLURM_JOB_ID as Lightning picks it). None
+    when neither is there, or the group has one process (nothing to join). Raises
+    :class:`LaunchEnvError` naming the fix when the variables contradict each other."""
+    env = dict(os.environ if env is None else env)
+    given = [v for v in TORCHRUN_VARS if v in env]
+    if any(v in env for v in TORCHRUN_VARS[:3]):  # MASTER_* alone also serve SLURM
+        missing = [v for v in TORCHRUN_VARS if v not in env]
+        if missing:
+            raise LaunchEnvError(
+                f"{', '.join(given)} set but {', '.join(missing)} not: start the command "
+                "with torchrun (it sets all five), or set every one of "
+                f"{', '.join(TORCHRUN_VARS)}, or unset them to spawn the ranks here")
+        fix = "torchrun sets it; check the command that started this process"
+        group = JoinedGroup(
+            rank=_int_var(env, "RANK", fix), world_size=_int_var(env, "WORLD_SIZE", fix),
+            local_rank=_int_var(env, "LOCAL_RANK", fix), master_addr=env["MASTER_ADDR"],
+            master_port=_int_var(env, "MASTER_PORT", fix), source="torchrun")
+    elif "SLURM_PROCID" in env and ("SLURM_NTASKS" in env or "SLURM_STEP_NUM_TASKS" in env):
+        fix = "start one process per task with srun (it sets SLURM_PROCID, SLURM_NTASKS, " \
+              "SLURM_LOCALID and SLURM_NODELIST)"
+        tasks = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in env else "SLURM_NTASKS"
+        world = _int_var(env, tasks, fix)
+        if world <= 1:
+            return None
+        addr = env.get("MASTER_ADDR")
+        if not addr:
+            nodes = next((env[v] for v in ("SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST",
+                                           "SLURM_NODELIST") if env.get(v)), None)
+            if nodes is None:
+                raise LaunchEnvError(f"SLURM_PROCID and {tasks} set but no SLURM_NODELIST: "
+                                     f"{fix}, or set MASTER_ADDR to the first task's host")
+            addr = expand_hostlist(nodes)[0]
+        if "MASTER_PORT" in env:
+            port = _int_var(env, "MASTER_PORT", "set MASTER_PORT to a free TCP port")
+        elif env.get("SLURM_JOB_ID", "").isdigit():
+            port = 15000 + int(env["SLURM_JOB_ID"][-4:])
+        else:
+            raise LaunchEnvError("SLURM without SLURM_JOB_ID: set MASTER_PORT to a free TCP "
+                                 "port (the same on every task)")
+        group = JoinedGroup(
+            rank=_int_var(env, "SLURM_PROCID", fix), world_size=world,
+            local_rank=_int_var(env, "SLURM_LOCALID", fix) if "SLURM_LOCALID" in env else 0,
+            master_addr=addr, master_port=port, source="SLURM")
+    else:
+        return None
+    if group.world_size < 1 or group.rank >= group.world_size:
+        names = ("RANK", "WORLD_SIZE") if group.source == "torchrun" else ("SLURM_PROCID", tasks)
+        raise LaunchEnvError(f"{names[0]}={group.rank} with {names[1]}={group.world_size}: a "
+                             f"rank is below the world size; {fix}")
+    return None if group.world_size == 1 else group
+
+
+def join_group(group: JoinedGroup, *, timeout: float) -> torch.device:
+    """Join ``group`` (every collective bounded by ``timeout`` seconds); returns this process's
+    device: ``cuda:LOCAL_RANK`` with NCCL for CUDA tensors (and gloo for CPU ones) when there
+    is a GPU, else the CPU with gloo."""
+    os.environ.update(RANK=str(group.rank), WORLD_SIZE=str(group.world_size),
+                      LOCAL_RANK=str(group.local_rank), MASTER_ADDR=group.master_addr,
+                      MASTER_PORT=str(group.master_port))
+    if torch.cuda.is_available():
+        if group.local_rank >= torch.cuda.device_count():
+            raise LaunchEnvError(
+                f"LOCAL_RANK={group.local_rank} but this node has {torch.cuda.device_count()} "
+                "GPUs: start at most one process per GPU on each node (torchrun "
+                "--nproc-per-node, srun --ntasks-per-node)")
+        device = torch.device("cuda", group.local_rank)
+        torch.cuda.set_device(device)
+        backend = "cpu:gloo,cuda:nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+    dist.init_process_group(backend, init_method="env://", timeout=timedelta(seconds=timeout))
+    return device
 
 
 STAGE_BYTES = 160
@@ -193,6 +415,9 @@ def _worker(
     global _stage_buf
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # SIGTERM (the launcher passing a stop request on, or SLURM signalling every process) is
+    # a request to stop at the next boundary; the launcher stops a rank at once with SIGKILL.
+    stop_on_sigterm()
     _stage_buf = stage
     note_stage("start-up")
     torch.set_num_threads(threads)
@@ -286,12 +511,15 @@ def run_ranks(
         for r in range(world_size)
     ]
     try:
+        _children[:] = procs
         for p in procs:
             p.start()
         results, first_failure = _collect(procs, stages, out, needed, timeout, grace)
     except BaseException:
         _stop(procs, at_once=True)
         raise
+    finally:
+        _children.clear()
     for r in range(world_size):
         if r not in results:
             if r not in needed:
@@ -371,18 +599,14 @@ def _collect(procs: list[Any], stages: list[Any], out: Any, needed: set[int], ti
 
 
 def _stop(procs: list[Any], *, at_once: bool) -> None:
-    """Join the ranks; SIGTERM (then SIGKILL) the ones still running. ``at_once``: do not
-    wait for them to finish by themselves first."""
+    """Join the ranks; SIGKILL the ones still running (SIGTERM only asks a rank to stop at its
+    next boundary). ``at_once``: do not wait for them to finish by themselves first."""
     for p in procs:
         if p.pid is None:
             continue  # never started
         p.join(timeout=0.0 if at_once else 5.0)
         if p.is_alive():
-            p.terminate()
-    for p in procs:
-        if p.pid is None:
-            continue
-        p.join(timeout=5.0)
-        if p.is_alive():
             p.kill()
+    for p in procs:
+        if p.pid is not None:
             p.join(timeout=5.0)

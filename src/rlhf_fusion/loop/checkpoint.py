@@ -7,11 +7,13 @@ that rebuilds them from the training stages, and sampling is keyed on (seed, ite
 sample), so a resumed run repeats exactly what the uninterrupted run would have done.
 
 On disk, ``OUT/checkpoints/iter_NNNNN/`` holds ``rank{r}.pt`` for every rank and ``COMPLETE``
-(JSON: iteration, world size, each file's size), and is written atomically: every rank
-writes ``rank{r}.pt.tmp`` inside ``iter_NNNNN.partial/`` and renames it; once every rank has
-(a collective), rank 0 writes ``COMPLETE`` and renames the folder. A folder without the
-marker, or whose files do not match it, is never resumed from. A rank whose launcher died
-writes nothing (:func:`rlhf_fusion.launch.orphaned`).
+(JSON: iteration, world size, each file's size), and is written atomically, by rank 0 alone:
+the other ranks send it their shares one at a time (so OUT need not be shared between nodes,
+and rank 0 holds at most two shares at once); it writes each as ``rank{r}.pt.tmp`` inside
+``iter_NNNNN.partial/`` and renames it, then writes ``COMPLETE`` and renames the folder. A
+folder without the marker, or whose files do not match it, is never resumed from. Resuming,
+rank 0 reads every share and sends each rank its own. A rank whose launcher died writes
+nothing (:func:`rlhf_fusion.launch.orphaned`).
 """
 
 from __future__ import annotations
@@ -94,39 +96,67 @@ def _write_atomic(path: Path, write: Any) -> int:
     return path.stat().st_size
 
 
+def _distributed(worker: Any) -> bool:
+    import torch.distributed as dist
+
+    return worker.world > 1 and dist.is_available() and dist.is_initialized()
+
+
 def save_checkpoint(worker: Any, out_dir: str | Path, iteration: int,
                     history: list[dict[str, float]], *, keep: int = 0) -> Path | None:
     """Every rank calls this at the same iteration boundary (it is a collective when
-    distributed). Returns the checkpoint folder, or None on an orphaned rank (nothing
-    written). ``keep`` > 0 prunes to the newest ``keep`` checkpoints."""
+    distributed). Returns the checkpoint folder on rank 0, None elsewhere (and on an orphaned
+    rank: nothing written). ``keep`` > 0 prunes to the newest ``keep`` checkpoints."""
     import torch.distributed as dist
 
     from ..launch import orphaned
 
     if orphaned():
         os._exit(1)
+    state = worker_state(worker, history)
+    if worker.rank != 0:
+        dist.send_object_list([state], dst=0)
+        return None
     final = checkpoint_dir(out_dir, iteration)
     partial = final.with_name(final.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
-    state = worker_state(worker, history)
-    size = _write_atomic(partial / f"rank{worker.rank}.pt", lambda f: torch.save(state, f))
-    sizes = [(worker.rank, size)]
-    if worker.world > 1 and dist.is_initialized():
-        gathered: list[Any] = [None] * worker.world
-        dist.all_gather_object(gathered, sizes[0])
-        sizes = gathered
-    if worker.rank == 0:
-        if orphaned():
-            os._exit(1)
-        marker = {"iteration": iteration, "world_size": worker.world,
-                  "files": {f"rank{r}.pt": n for r, n in sorted(sizes)}}
-        _write_atomic(partial / MARKER, lambda f: f.write(json.dumps(marker).encode()))
-        if final.exists():   # an interrupted earlier run's folder of the same name
-            shutil.rmtree(final)
-        os.replace(partial, final)
-        if keep > 0:
-            prune_checkpoints(out_dir, keep)
+    sizes = {}
+    for r in range(worker.world):
+        if r:
+            got: list[Any] = [None]
+            dist.recv_object_list(got, src=r)
+            state = got[0]
+        sizes[f"rank{r}.pt"] = _write_atomic(partial / f"rank{r}.pt",
+                                             lambda f, st=state: torch.save(st, f))
+        del state
+    if orphaned():
+        os._exit(1)
+    marker = {"iteration": iteration, "world_size": worker.world, "files": sizes}
+    _write_atomic(partial / MARKER, lambda f: f.write(json.dumps(marker).encode()))
+    if final.exists():   # an interrupted earlier run's folder of the same name
+        shutil.rmtree(final)
+    os.replace(partial, final)
+    if keep > 0:
+        prune_checkpoints(out_dir, keep)
     return final
+
+
+def load_checkpoint(worker: Any, out_dir: str | Path, iteration: int) -> list[dict[str, float]]:
+    """Restore every rank's share of the checkpoint of ``iteration`` (a collective when
+    distributed: rank 0 reads the files and sends each rank its own); returns the metric
+    history."""
+    import torch.distributed as dist
+
+    folder = checkpoint_dir(out_dir, iteration)
+    if worker.rank != 0:
+        got: list[Any] = [None]
+        dist.recv_object_list(got, src=0)
+        return load_worker_state(worker, got[0], f"{folder}/rank{worker.rank}.pt")
+    for r in range(1, worker.world if _distributed(worker) else 1):
+        share = torch.load(folder / f"rank{r}.pt", map_location="cpu", weights_only=False)
+        dist.send_object_list([share], dst=r)
+        del share
+    return load_worker(worker, folder / "rank0.pt")
 
 
 def checkpoint_problem(path: Path, world: int) -> str | None:

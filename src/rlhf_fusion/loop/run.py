@@ -1,12 +1,16 @@
 """Running the loop: N local processes, a row per iteration, metrics.jsonl, checkpoints.
 
 ``train(cfg, prompts, out_dir=...)`` validates everything in the calling process, then spawns
-``cfg.world_size`` gloo ranks (one process, no group, when ``world_size == 1``). Rank 0 prints
-a progress bar and a row per iteration and writes ``metrics.jsonl``. With ``checkpoint_every``
-every rank saves its share at iteration boundaries (atomically, the newest
-``keep_checkpoints`` kept: :mod:`.checkpoint`); ``resume=True`` continues from the newest
-complete one, skipping a corrupt one, drops the metrics rows written after it, and gives the
-same results as a run that was never interrupted. An output folder that is not empty needs
+``cfg.world_size`` gloo ranks (one process, no group, when ``world_size == 1``). Started by
+``torchrun`` or ``srun`` (their variables in the environment:
+:func:`rlhf_fusion.launch.group_from_env`), every process is one rank instead: it joins their
+group and rank 0 prepares the run for all. Rank 0 prints a progress bar and a row per
+iteration and writes ``metrics.jsonl``. With ``checkpoint_every`` every rank's share is saved
+at iteration boundaries (by rank 0, atomically, the newest ``keep_checkpoints`` kept:
+:mod:`.checkpoint`); ``resume=True`` continues from the newest complete one, skipping a
+corrupt one, drops the metrics rows written after it, and gives the same results as a run
+that was never interrupted. A stop request (SIGTERM to any rank) ends the run at the next
+iteration boundary with that iteration's checkpoint. An output folder that is not empty needs
 ``resume`` or ``overwrite``: two runs never mix in one folder.
 """
 
@@ -85,19 +89,17 @@ def train(cfg: RLHFConfig, prompts: Sequence[str], *, out_dir: str | Path | None
         raise LoopConfigError("keep_checkpoints: must be >= 0 (0 keeps every checkpoint)")
     if checkpoint_every < 0:
         raise LoopConfigError("checkpoint_every: must be >= 0 (0 writes no checkpoints)")
-    start = prepare_out_dir(out_dir, cfg.world_size, resume=resume, overwrite=overwrite)
-    if not prompts:
-        raise LoopConfigError("prompts: the prompt set is empty")
-    from .models import load_tokenizer
+    from ..launch import LaunchEnvError, group_from_env
 
-    tok = load_tokenizer(cfg.models)
-    prompt_ids = [tok.encode(p) for p in prompts]
-    empty = [i for i, p in enumerate(prompt_ids) if not p]
-    if empty:
-        raise LoopConfigError(f"prompts: {len(empty)} prompts encode to no tokens (first: line "
-                              f"{empty[0] + 1}); remove them")
-    if cfg.placement.search is not None:
-        cfg = _with_searched_plan(cfg, prompt_ids, out_dir)
+    try:
+        group = group_from_env()
+    except LaunchEnvError as exc:
+        raise LoopConfigError(str(exc)) from None
+    rest = (checkpoint_every, progress, stop_after, timeline_serial, keep_experiences,
+            keep_checkpoints)
+    if group is not None:
+        return _train_joined(group, cfg, prompts, out_dir, resume, overwrite, rest)
+    cfg, prompt_ids, start, _ = _prepare(cfg, prompts, out_dir, resume, overwrite)
     args = (cfg, prompt_ids, str(out_dir) if out_dir else None, checkpoint_every, start,
             progress, stop_after, timeline_serial, keep_experiences, keep_checkpoints)
     if cfg.world_size == 1:
@@ -112,6 +114,92 @@ def train(cfg: RLHFConfig, prompts: Sequence[str], *, out_dir: str | Path | None
     out = results[0].value
     out["states"] = [r.value["state"] for r in results]
     _merge_train_events(out, [r.value for r in results])
+    return out
+
+
+def _prepare(cfg: RLHFConfig, prompts: Sequence[str], out_dir: str | Path | None, resume: bool,
+             overwrite: bool) -> tuple[RLHFConfig, list[list[int]], int | None, str | None]:
+    """Everything checked once, before any rank trains: the output folder (and the checkpoint
+    to resume from), the prompts' token ids, the searched plan. Returns the config to run,
+    the token ids, the iteration to resume from and the searched plan's JSON (None: none)."""
+    start = prepare_out_dir(out_dir, cfg.world_size, resume=resume, overwrite=overwrite)
+    if not prompts:
+        raise LoopConfigError("prompts: the prompt set is empty")
+    from .models import load_tokenizer
+
+    tok = load_tokenizer(cfg.models)
+    prompt_ids = [tok.encode(p) for p in prompts]
+    empty = [i for i, p in enumerate(prompt_ids) if not p]
+    if empty:
+        raise LoopConfigError(f"prompts: {len(empty)} prompts encode to no tokens (first: line "
+                              f"{empty[0] + 1}); remove them")
+    plan = None
+    if cfg.placement.search is not None:
+        cfg = _with_searched_plan(cfg, prompt_ids, out_dir)
+        plan = Path(cfg.placement.plan).read_text()
+    return cfg, prompt_ids, start, plan
+
+
+def _train_joined(group: Any, cfg: RLHFConfig, prompts: Sequence[str],
+                  out_dir: str | Path | None, resume: bool, overwrite: bool,
+                  rest: tuple) -> dict[str, Any]:
+    """This process's rank of a run whose processes torchrun or srun started: join their
+    group, let rank 0 check the output folder and prepare the run for every rank, train.
+    Only rank 0 writes into ``out_dir`` (metrics, checkpoints, the searched plan)."""
+    import tempfile
+
+    import torch.distributed as dist
+
+    from ..launch import join_group
+
+    if group.world_size != cfg.world_size:
+        var = "WORLD_SIZE" if group.source == "torchrun" else "SLURM_NTASKS"
+        how = (f"torchrun --nnodes N --nproc-per-node M with N x M = {cfg.world_size}"
+               if group.source == "torchrun" else f"srun --ntasks {cfg.world_size}")
+        raise LoopConfigError(
+            f"{group.source} started {group.world_size} processes ({var}={group.world_size}) "
+            f"but the config's world_size is {cfg.world_size}: set world_size: "
+            f"{group.world_size} (and a placement for that many devices), or start "
+            f"{cfg.world_size} processes ({how})")
+    device = join_group(group, timeout=cfg.fusion.timeout_s)
+    plan_copy = None
+    try:
+        setup: list[Any] = [None]
+        if group.lead:
+            try:
+                setup[0] = _prepare(cfg, prompts, out_dir, resume, overwrite)
+            except Exception as exc:  # noqa: BLE001 - every rank stops with it
+                setup[0] = exc
+        dist.broadcast_object_list(setup, src=0)
+        got = setup[0]
+        if isinstance(got, BaseException):
+            if group.lead:
+                raise got
+            if isinstance(got, LoopConfigError):
+                raise LoopConfigError(str(got))
+            raise RuntimeError(f"rank 0 failed preparing the run: {type(got).__name__}: {got}")
+        cfg, prompt_ids, start, plan = got
+        if plan is not None and not group.lead:
+            # rank 0's folder may be on another node: this rank reads its own copy
+            plan_copy = Path(tempfile.mkdtemp(prefix="rlhf-fusion-plan-"))
+            where = plan_copy / "plan.json"
+            where.write_text(plan)
+            cfg = copy.deepcopy(cfg)
+            cfg.placement.plan = str(where)
+        checkpoint_every, progress, stop_after, timeline_serial, keep_experiences, keep = rest
+        out = rank_main(group.rank, group.world_size, cfg, prompt_ids,
+                        str(out_dir) if out_dir else None, checkpoint_every, start,
+                        progress, stop_after, timeline_serial, keep_experiences, keep,
+                        device=str(device))
+    finally:
+        if plan_copy is not None:
+            shutil.rmtree(plan_copy, ignore_errors=True)
+        try:
+            dist.destroy_process_group()
+        except Exception:  # noqa: BLE001 - after a failure the group may be half gone
+            pass
+    out["states"] = [out["state"]]
+    out["rank"] = group.rank
     return out
 
 
@@ -218,13 +306,18 @@ def _keep_metrics_before(path: Path, start: int) -> None:
 def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]],
               out_dir: str | None, checkpoint_every: int, resume_from: int | None,
               progress: bool, stop_after: int | None, timeline_serial: bool,
-              keep_experiences: bool = False, keep_checkpoints: int = 2) -> dict[str, Any]:
+              keep_experiences: bool = False, keep_checkpoints: int = 2, *,
+              device: str = "cpu") -> dict[str, Any]:
     """One rank of :func:`train`; ``resume_from`` is the checkpoint's iteration (chosen and
-    verified by the launching process, so every rank loads the same one)."""
-    from ..launch import note_stage
+    verified by the launching process, so every rank loads the same one).
+
+    A stop request (:func:`rlhf_fusion.launch.agree_to_stop`: SIGTERM to any rank) ends the
+    run at the next iteration boundary, every rank at the same one, after writing that
+    iteration's checkpoint; ``stopped`` in the result is that iteration (None: the run
+    ended)."""
+    from ..launch import agree_to_stop, note_stage, stop_requested
     from .checkpoint import (
-        checkpoint_dir,
-        load_worker,
+        load_checkpoint,
         load_worker_state,
         save_checkpoint,
         worker_state,
@@ -233,12 +326,12 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
 
     note_stage("building the models")
     torch.manual_seed(cfg.models.seed)
-    worker = make_worker(cfg)
+    worker = make_worker(cfg) if device == "cpu" else make_worker(cfg, device=device)
     start = 0
     history: list[dict[str, float]] = []
     if resume_from is not None and out_dir is not None:
         note_stage(f"loading the checkpoint of iteration {resume_from}")
-        history = load_worker(worker, checkpoint_dir(out_dir, resume_from) / f"rank{rank}.pt")
+        history = load_checkpoint(worker, out_dir, resume_from)
         start = resume_from
     lead = rank == 0
     log = None
@@ -267,7 +360,18 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
     planning_s = worker.plan_training(sum(map(len, prompt_ids)) / max(len(prompt_ids), 1))
     t_run = time.perf_counter()
     snapshot = None
+    res = None
+    stopped = None
+    saved = start   # the newest iteration a checkpoint holds (start: the one resumed from)
     for it in range(start, end):
+        if agree_to_stop():
+            # Between two iterations: the last one finished on every rank, nothing of the
+            # next has started. Its checkpoint (unless written just now) is what resumes.
+            if out_dir is not None and saved != it:
+                note_stage(f"checkpoint of iteration {it} (stopping)")
+                save_checkpoint(worker, out_dir, it, history, keep=keep_checkpoints)
+            stopped = it
+            break
         if timeline_serial and it == end - 1:
             # Replayed serially after the run: the same weights and prompts give the same
             # samples, so the two timelines of this iteration compare like with like.
@@ -288,6 +392,7 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
         if out_dir is not None and checkpoint_every and (it + 1) % checkpoint_every == 0:
             note_stage(f"checkpoint of iteration {it + 1}")
             save_checkpoint(worker, out_dir, it + 1, history, keep=keep_checkpoints)
+            saved = it + 1
     run_s = time.perf_counter() - t_run
     if bar is not None:
         bar.close()
@@ -301,12 +406,13 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
         again = worker.iteration(prompts_for(prompt_ids, end - 1,
                                              cfg.generation.prompts_per_iteration))
         serial_timeline = again.timeline
-    experiences = res.experiences if end > start else []
+    experiences = res.experiences if res is not None else []
     worker.close()
     return {"history": history, "state": state, "timelines": timelines, "seconds": run_s,
             "planning_s": planning_s, "schedule_speedup": _predicted_speedup(worker),
             "serial_timeline": serial_timeline, "rt_history": worker.rt_planner.history,
-            "experiences": experiences if rank == 0 else None,
+            "experiences": experiences if rank == 0 else None, "stopped": stopped,
+            "stop_signal": stop_requested() if stopped is not None else None,
             "experience_log": kept if rank == 0 else None}
 
 

@@ -13,11 +13,22 @@ iteration is one Lightning step (``global_step``, ``every_n_train_steps``, ``max
 ``log_every_n_steps`` count iterations) and logs TRL's PPO metric names
 (``objective/scores``, ``loss/policy_avg``, ...). Checkpoints hold every rank's share and
 resume exactly, at an epoch's end or, with a stateful loader, within an epoch.
+
+Preemption: on SIGTERM (to any rank, or to the launching process of
+:class:`~rlhf_fusion.plugins.RLHFLoopStrategy`, which passes it on) the ranks finish the
+iteration in progress, agree at its end that one of them was told to stop, write a checkpoint
+where Lightning's SLURM requeue writes its own (``default_root_dir/hpc_ckpt_N.ckpt``) and end
+``fit`` normally, so the script exits 0. ``fit(ckpt_path="hpc")`` resumes it (under SLURM
+Lightning picks it up by itself). Lightning's own SIGTERM handler is replaced while training:
+it broadcasts from inside the signal handler, which a rank between two of the loop's
+collectives pairs with the wrong one, and it stops with ``SIGTERMException`` at the next step
+without a checkpoint.
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,6 +52,7 @@ class RLHFModule(pl.LightningModule):
         self.worker: Any = None  # built in setup(), in the process that runs it
         self.history: list[dict[str, float]] = []
         self._pending: list[Any] | None = None
+        self.stopped_checkpoint: str | None = None  # set when a SIGTERM stopped the run
 
     # -- building ------------------------------------------------------------------------------
     def run_config(self) -> RLHFConfig:
@@ -117,6 +129,10 @@ class RLHFModule(pl.LightningModule):
         self.history = load_worker_state(self.worker, shares[rank])
 
     def on_train_start(self) -> None:
+        from ..launch import stop_on_sigterm
+
+        if threading.current_thread() is threading.main_thread():
+            stop_on_sigterm()   # instead of Lightning's notifier (see the module docstring)
         if self._pending is not None:
             self._restore(self._pending)
             self._pending = None
@@ -130,6 +146,30 @@ class RLHFModule(pl.LightningModule):
                 "that restarts from its first batch: the run would repeat those prompts. Use "
                 "rlhf_fusion.plugins.PromptLoader (or any loader with state_dict / "
                 "load_state_dict), or resume from a checkpoint written at an epoch's end")
+
+    # -- preemption ------------------------------------------------------------------------------
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        from ..launch import agree_to_stop
+
+        trainer = self.trainer
+        # Lightning's flag too: its handler runs if the signal came before training started.
+        if not agree_to_stop(also=trainer.received_sigterm):
+            return
+        trainer._signal_connector.received_sigterm = False   # stopping here, not at its check
+        path = trainer._checkpoint_connector.hpc_save_path(trainer.default_root_dir)
+        path = trainer.strategy.broadcast(path, src=0)
+        trainer.save_checkpoint(path)
+        trainer.should_stop = True
+        self.stopped_checkpoint = path
+        from lightning.pytorch.utilities import rank_zero_info
+
+        rank_zero_info(f"SIGTERM: stopped after iteration {trainer.global_step}; checkpoint "
+                       f"{path}; resume with trainer.fit(..., ckpt_path=\"hpc\")")
+
+    def teardown(self, stage: str) -> None:
+        from ..launch import clear_stop_request
+
+        clear_stop_request()
 
     def trained_state(self) -> dict[str, torch.Tensor]:
         """This rank's canonical Actor/Critic parameters (``actor.*``, ``critic.*``)."""
