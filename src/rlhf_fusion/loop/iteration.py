@@ -73,7 +73,9 @@ from .placement import (
     INFERENCE_CALLS,
     SYNC_TARGET,
     TRAIN_CALL,
+    TRAINING_KINDS,
     LoopPlacement,
+    check_micro_batches,
     placement_of,
 )
 from .reallocate import (
@@ -158,6 +160,8 @@ class PPOWorker:
         self.schedule = None
 
     def _placement(self, given: LoopPlacement | None) -> LoopPlacement:
+        if given is not None:
+            check_micro_batches(self.cfg.ppo, self.cfg.generation.prompts_per_iteration, given)
         lp = given if given is not None else placement_of(self.cfg)
         if lp is None:
             raise LoopConfigError("placement.search: search the plan before building the "
@@ -189,8 +193,8 @@ class PPOWorker:
 
             # What the weight sync moves, known on every rank (before unplaced models go).
             self._tables = {role: param_table(getattr(m, role), role) for role in ROLES}
-        self.backend = (TimedBackend(self._generation_backend()) if self._holds("actor_gen")
-                        else NoGeneration())
+        generates = self.placement.generates(self.rank)
+        self.backend = TimedBackend(self._generation_backend()) if generates else NoGeneration()
         held = {call: self._holds(call) for call in INFERENCE_CALLS}
         models = {"ref_inf": m.ref if held["ref_inf"] else None,
                   "reward_inf": self._reward() if held["reward_inf"] else None,
@@ -200,7 +204,7 @@ class PPOWorker:
             self.inference: InferenceModels | None = InferenceModels(
                 models["ref_inf"], models["reward_inf"], models["critic_inf"], micro_batch=4,
                 device=self.device, pad_id=pad)
-            if self._holds("actor_gen"):
+            if generates:
                 self.inference.score = timed_scoring(self.inference.score, self._scoring,
                                                      self._scoring_cpu)
         else:
@@ -232,6 +236,9 @@ class PPOWorker:
 
     def _setup_training(self) -> None:
         lp, m = self.placement, self.models
+        if lp.training_kind not in TRAINING_KINDS:
+            raise ValueError(f"placement {lp.name}: training layout {lp.training_kind!r}; the "
+                             f"loop runs {', '.join(TRAINING_KINDS)}")
         if lp.fused_training:
             actor, critic = lp.layout("actor_train"), lp.layout("critic_train")
             problem = fused_problem(stage_groups=lp.stage_groups,
@@ -432,7 +439,7 @@ class PPOWorker:
         stream = None if self.placement.streamed_inference else CallQueues(
             self.iteration_index, f.timeout_s)
         out_box: list[Any] = [None]
-        if self._holds("actor_gen"):
+        if self.placement.generates(self.rank):
             from ..rollout import RolloutConfig, run_rollout
 
             backend = self.backend if stream is None else Publishing(self.backend, stream.push)

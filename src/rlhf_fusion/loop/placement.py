@@ -59,10 +59,8 @@ DATA_PARALLEL = "data_parallel"     # whole copies; training all-reduces their g
 FUSED_PIPELINE = "fused_pipeline"   # the fused Actor/Critic pipeline (training calls only)
 TRAINING_KINDS = (DATA_PARALLEL, FUSED_PIPELINE)
 
-# The model a call runs with, and where each trained model's weights go after a round (the
-# Critic-inference copy is the model ``critic_inf`` scores with; the Actor's generation copy
-# lives in the backend).
-INFERENCE_MODEL = {"ref_inf": "ref", "reward_inf": "reward", "critic_inf": "critic"}
+# Where each trained model's weights go after a round (the Critic-inference copy is the model
+# ``critic_inf`` scores with; the Actor's generation copy lives in the backend).
 SYNC_TARGET = {"actor": "actor_gen", "critic": "critic_inf"}
 
 FROZEN_MODELS = ("ref", "reward")
