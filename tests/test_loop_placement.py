@@ -263,3 +263,17 @@ def test_a_training_layout_the_worker_does_not_run_is_refused():
                                                              kind="tensor_parallel")}
     with pytest.raises(ValueError, match="training layout 'tensor_parallel'"):
         PPOWorker(cfg, placement=dataclasses.replace(lp, calls=calls))
+
+
+def test_a_plans_pipeline_runs_its_own_stage_count(colocated, tmp_path):
+    """A plan with Actor and Critic training on every rank as dp=2 x pp=2: the fused pipeline
+    of 2 stages per model, the 2 copies of each sharing the one replica's micro-batches;
+    the same run as the co-located 4-stage pipeline."""
+    from rlhf_fusion.loop.placement import placement_of
+
+    path = _plan_file(tmp_path, actor_train=(0, 4, 2, 1, 2), critic_train=(0, 4, 2, 1, 2))
+    cfg = tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(plan=path))
+    lp = placement_of(cfg)
+    assert lp.fused_training and lp.stage_groups == WORLD and lp.replicas == 1
+    assert lp.layout("actor_train").pp == 2 and lp.copies("actor_train") == 2
+    assert_same_run(colocated, run(cfg))
