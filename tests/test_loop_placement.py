@@ -208,3 +208,72 @@ def test_a_search_at_start_can_profile_the_models_first(tmp_path, monkeypatch):
     assert written["ref"] == written["actor"]   # one network, measured once
     with pytest.raises(LoopConfigError, match="give placement.search"):
         tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(profile=True)).validate()
+
+
+def test_the_default_run_is_a_placement_too():
+    """No placement section: every call on every rank, training on the fused pipeline of
+    pipeline_stages stages, world_size / pipeline_stages replicas of it (a Critic with fewer
+    stages runs copies inside each); one process: everything on rank 0, data parallel."""
+    from rlhf_fusion.loop.placement import DATA_PARALLEL, FUSED_PIPELINE, placement_of
+
+    lp = placement_of(tiny(WORLD, pipeline_stages=2, critic_stages=1, micro_batches=2))
+    assert all(lay.ranks == (0, 1, 2, 3) for lay in lp.calls.values())
+    assert lp.training_kind == FUSED_PIPELINE and lp.replicas == 2 and lp.stage_groups == 2
+    assert (lp.layout("actor_train").pp, lp.layout("critic_train").pp) == (2, 1)
+    assert (lp.copies("actor_train"), lp.copies("critic_train")) == (1, 2)
+    assert [lp.replica(r) for r in range(WORLD)] == [0, 0, 1, 1]
+    assert lp.streamed_inference and lp.groups() == []   # the default group serves all
+    one = placement_of(tiny(1, inter=False, intra=False))
+    assert one.training_kind == DATA_PARALLEL and one.replicas == 1
+    assert all(lay.ranks == (0,) for lay in one.calls.values())
+    assert one.trains(0) == ("actor", "critic") and one.leads("critic", 0)
+
+
+def test_micro_batches_is_checked_in_one_place_with_one_meaning():
+    """ppo.micro_batches is per training replica: the default's replicas each take that many
+    of a mini-batch (8 samples here), what runs inside a replica shares them."""
+    from rlhf_fusion.loop.placement import check_micro_batches, placement_of
+
+    # 2 replicas x 8 micro-batches do not fit a mini-batch of 8 samples ...
+    with pytest.raises(LoopConfigError, match="8 micro-batches x 2 data-parallel replicas"):
+        tiny(WORLD, pipeline_stages=2, micro_batches=8).validate()
+    # ... 2 Critic copies in each replica cannot share 1 micro-batch ...
+    with pytest.raises(LoopConfigError, match="2 data-parallel ranks of critic_train"):
+        tiny(WORLD, pipeline_stages=2, critic_stages=1, micro_batches=1).validate()
+    # ... and a placement is one replica whose training calls' ranks share them.
+    cfg = tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(preset="interleaved2"))
+    lp = placement_of(cfg)
+    assert lp.replicas == 1 and lp.copies("actor_train") == 2
+    bad = tiny(WORLD, micro_batches=1).ppo
+    with pytest.raises(LoopConfigError, match="2 data-parallel ranks of actor_train"):
+        check_micro_batches(bad, 16, lp)
+
+
+def test_a_training_layout_the_worker_does_not_run_is_refused():
+    """A layout kind is a value of the placement: one the worker has no branch for is
+    refused by name, before any step."""
+    import dataclasses
+
+    from rlhf_fusion.loop import PPOWorker
+    from rlhf_fusion.loop.placement import placement_of
+
+    cfg = tiny(1, inter=False, intra=False)
+    lp = placement_of(cfg)
+    calls = {**lp.calls, "actor_train": dataclasses.replace(lp.calls["actor_train"],
+                                                             kind="tensor_parallel")}
+    with pytest.raises(ValueError, match="training layout 'tensor_parallel'"):
+        PPOWorker(cfg, placement=dataclasses.replace(lp, calls=calls))
+
+
+def test_a_plans_pipeline_runs_its_own_stage_count(colocated, tmp_path):
+    """A plan with Actor and Critic training on every rank as dp=2 x pp=2: the fused pipeline
+    of 2 stages per model, the 2 copies of each sharing the one replica's micro-batches;
+    the same run as the co-located 4-stage pipeline."""
+    from rlhf_fusion.loop.placement import placement_of
+
+    path = _plan_file(tmp_path, actor_train=(0, 4, 2, 1, 2), critic_train=(0, 4, 2, 1, 2))
+    cfg = tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(plan=path))
+    lp = placement_of(cfg)
+    assert lp.fused_training and lp.stage_groups == WORLD and lp.replicas == 1
+    assert lp.layout("actor_train").pp == 2 and lp.copies("actor_train") == 2
+    assert_same_run(colocated, run(cfg))

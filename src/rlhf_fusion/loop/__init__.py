@@ -3,7 +3,8 @@
 Weight sync (parameter reallocation, training -> generation layout), generation with
 long-tail migration and sample-level streaming into Ref/Reward/Critic scoring, advantages
 (KL, ``gae``, whitening), and PPO epochs on the fused Actor/Critic pipeline. ``train`` runs it
-on local processes; ``PPOWorker`` is one rank's share, for code that owns its processes.
+on local processes; ``PPOWorker`` is one rank's share, for code that owns its processes, under
+the run's ``LoopPlacement`` (every call on every rank unless a preset or a plan says otherwise).
 """
 
 from .config import (
@@ -17,7 +18,7 @@ from .config import (
 )
 from .iteration import IterationResult, PPOWorker
 from .models import CharTokenizer, Models, build_models, vowel_fraction
-from .placed import PlacedPPOWorker, make_worker
+from .placement import LoopPlacement
 from .run import load_prompts, train
 
 __all__ = [
@@ -26,16 +27,15 @@ __all__ = [
     "GenerationConfig",
     "IterationResult",
     "LoopConfigError",
+    "LoopPlacement",
     "Models",
     "ModelsConfig",
     "PPOLoopConfig",
     "PPOWorker",
-    "PlacedPPOWorker",
     "PlacementSection",
     "RLHFConfig",
     "build_models",
     "load_prompts",
-    "make_worker",
     "train",
     "vowel_fraction",
 ]

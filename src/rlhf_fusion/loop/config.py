@@ -15,13 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-MODEL_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
+from .errors import LoopConfigError
+from .placement import offload_names, placement_of
+
 MECHANISMS = ("kv", "tokens", "auto")
 BACKENDS = ("reference", "vllm")
-
-
-class LoopConfigError(ValueError):
-    """A run configuration that cannot work; the message names the field and the fix."""
 
 
 ModelSource = str | Mapping[str, Any]
@@ -64,9 +62,10 @@ class GenerationConfig:
 
 @dataclass
 class PPOLoopConfig:
-    """The PPO update (TRL's names where TRL has one). ``micro_batches`` is per pipeline
-    replica: with ``world_size / pipeline_stages`` replicas a mini-batch is split into
-    ``micro_batches x replicas`` micro-batches (each loss a token mean over its micro-batch)."""
+    """The PPO update (TRL's names where TRL has one). ``micro_batches``: the micro-batches
+    one training replica runs per mini-batch (each loss a token mean over its micro-batch);
+    docs/loop.md ("Mini-batches and micro-batches") and :mod:`rlhf_fusion.loop.placement`
+    say what a replica is under each placement."""
 
     num_ppo_epochs: int = 2
     num_mini_batches: int = 2
@@ -115,9 +114,9 @@ class PlacementSection:
     """Where each model function call runs (``docs/placement.md``): a FlexRLHF preset
     (``colocated``, ``interleaved``, ``interleaved2``, ``disaggregated``) or a plan file written
     by ``rlhf-fusion plan``. Neither (the default): every model on every rank, Actor and Critic
-    training on the fused pipeline. Under a placement ``ppo.micro_batches`` counts the
-    micro-batches of a whole mini-batch, shared by the data-parallel ranks of each training
-    call, and the pipeline (if any) comes from the plan.
+    training on the fused pipeline. A placement's training is one replica
+    (``ppo.micro_batches`` per mini-batch, shared by each training call's data-parallel
+    ranks), and the pipeline (if any) comes from the plan.
 
     ``profile``: with ``search``, the search's compute costs come from this machine: every
     model's decoder layers are timed first where the loop computes (as ``rlhf-fusion
@@ -272,19 +271,6 @@ class RLHFConfig:
             raise LoopConfigError(
                 f"ppo.num_mini_batches: {p.num_mini_batches} does not divide "
                 f"generation.prompts_per_iteration={batch}; use a divisor of {batch}")
-        mini = batch // p.num_mini_batches
-        if self.world_size > 1 and self.world_size % self.stages():
-            raise LoopConfigError(
-                f"fusion.pipeline_stages: {self.stages()} does not divide "
-                f"world_size={self.world_size}; use a divisor of {self.world_size}")
-        replicas = self.world_size // self.stages() if self.world_size > 1 else 1
-        if self.placement.given:
-            replicas = 1   # micro_batches counts a whole mini-batch (checked per call below)
-        if mini % (p.micro_batches * replicas):
-            raise LoopConfigError(
-                f"ppo.micro_batches: a mini-batch of {mini} samples cannot be split into "
-                f"{p.micro_batches} micro-batches x {replicas} data-parallel replicas; pick "
-                f"micro_batches dividing {mini // replicas}")
         if f.inter:
             if self.world_size < 2:
                 raise LoopConfigError(
@@ -292,26 +278,15 @@ class RLHFConfig:
                     "instances; set world_size: 2 or fusion.inter: false")
         if f.inter or not isinstance(f.rt, str):
             self.rt_samples(None)
-        if self.world_size > 1:
-            n = self.stages()
-            cs = f.critic_stages or n
-            if n % cs:
-                raise LoopConfigError(
-                    f"fusion.critic_stages: {cs} does not divide pipeline_stages={n}; use a "
-                    f"divisor of {n}")
-            if (p.micro_batches % (n // cs)):
-                raise LoopConfigError(
-                    f"ppo.micro_batches: {p.micro_batches} cannot be shared by the {n // cs} "
-                    f"Critic copies; use a multiple of {n // cs}")
         offload_names(self.placement.offload)
         if self.placement.profile and self.placement.search is None:
             raise LoopConfigError("placement.profile: profiling feeds the plan search; give "
                                   "placement.search (seconds) with it")
-        placement = self.loop_placement() if self.placement.given else None
+        placement = placement_of(self)   # the layout checks, ppo.micro_batches's among them
         if sources:
             from .models import check_sources
 
-            check_sources(self, placement)
+            check_sources(self, placement if self.placement.given else None)
 
     def _check_fields(self) -> None:
         """Each field on its own: its type and its range."""
@@ -406,51 +381,14 @@ class RLHFConfig:
                                   f"{sorted(HARDWARE)}")
         _boolean("placement.profile", pl.profile)
 
-    def offloaded(self, placement: Any = None) -> tuple[str, ...]:
+    def offloaded(self) -> tuple[str, ...]:
         """The frozen models kept in host memory between their calls: ``placement.offload``
-        when set, else the plan file's ``offload`` (``placement``: the resolved
-        :class:`~rlhf_fusion.loop.placement.LoopPlacement`, resolved here when omitted)."""
+        when set, else the plan file's ``offload``."""
         own = offload_names(self.placement.offload)
         if own is not None:
             return own
-        if placement is None and self.placement.plan is not None:
-            placement = self.loop_placement()
-        return tuple(getattr(placement, "offload", ()))
-
-    def loop_placement(self) -> Any:
-        """The resolved :class:`~rlhf_fusion.loop.placement.LoopPlacement` (``None``: the
-        default co-located loop), checked against the rest of the config."""
-        from .placement import PlacementConfigError, resolve
-
-        pl = self.placement
-        if not pl.given:
-            return None
-        if pl.search is not None:
-            if pl.preset is not None or pl.plan is not None:
-                raise LoopConfigError("placement: give one of preset, plan or search")
-            if not pl.search > 0:
-                raise LoopConfigError(f"placement.search: {pl.search!r}; give the search "
-                                      "time in seconds (> 0)")
-            return None   # resolved once, before the processes start (loop.placement.search)
-        if self.fusion.pipeline_stages is not None or self.fusion.critic_stages is not None:
-            raise LoopConfigError(
-                "fusion.pipeline_stages / critic_stages: under a placement the training "
-                "layout comes from the placement (a plan's pp); remove them")
-        if self.generation.backend != "reference":
-            raise LoopConfigError("placement: runs with generation.backend: reference only")
-        try:
-            lp = resolve(pl.preset, pl.plan, self.world_size, pl.inference_fraction)
-        except PlacementConfigError as exc:
-            raise LoopConfigError(str(exc)) from exc
-        m = self.ppo.micro_batches
-        for call in ("actor_train", "critic_train"):
-            dp = lp.calls[call].dp
-            if m % dp:
-                raise LoopConfigError(
-                    f"ppo.micro_batches: {m} micro-batches per mini-batch cannot be shared by "
-                    f"the {dp} data-parallel ranks of {call} in placement {lp.name}; use a "
-                    f"multiple of {dp}")
-        return lp
+        lp = placement_of(self) if self.placement.plan is not None else None
+        return lp.offload if lp is not None else ()
 
     def stages(self) -> int:
         return self.fusion.pipeline_stages or self.world_size
@@ -470,30 +408,6 @@ class RLHFConfig:
         raise LoopConfigError(
             f"fusion.rt: {rt} is outside the batch of {batch} samples; use a fraction in (0, 1) "
             f"or a count in 1..{batch} (or 'auto')")
-
-
-FROZEN_MODELS = ("ref", "reward")
-
-
-def offload_names(value: Any) -> tuple[str, ...] | None:
-    """``placement.offload`` as a tuple of frozen model names (``None``: not set)."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return FROZEN_MODELS if value else ()
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise LoopConfigError(f"placement.offload: {value!r}; give true (Ref and Reward), "
-                              "false, or a list of model names such as [ref, reward]")
-    for v in value:
-        if v in ("actor", "critic"):
-            raise LoopConfigError(
-                f"placement.offload: {v} is trained every iteration and cannot live in host "
-                "memory between calls; only the frozen ref and reward can: use [ref], "
-                "[reward], [ref, reward] or true")
-        if v not in FROZEN_MODELS:
-            raise LoopConfigError(f"placement.offload: unknown model {v!r}; use [ref], "
-                                  "[reward], [ref, reward] or true")
-    return tuple(m for m in FROZEN_MODELS if m in value)
 
 
 def _section(cls: type, name: str, value: Any) -> Any:

@@ -1,21 +1,36 @@
 """One PPO iteration on one rank, read top to bottom: sync, generate + score, advantages, train.
 
 Every rank of the default process group runs :meth:`PPOWorker.iteration` with the same prompts.
-With one process (no process group) the same code runs unpipelined on one device: that run
-is the exactness reference of the distributed ones.
+Who does what is the run's :class:`~rlhf_fusion.loop.placement.LoopPlacement`: the worker asks
+it which calls this rank holds and how each is laid out, and has no other mode. By default
+every call runs on every rank and Actor and Critic train on the fused pipeline; a preset or a
+plan puts each call on its own ranks. With one process (no process group) every call is on
+rank 0 and training runs unpipelined: that run is the exactness reference of the others.
+Every rank takes part in every collective of the default group in the same order; groups are
+created once, in one order, at construction.
 
-1. **Weight sync**: the Actor's and the Critic's training stages are broadcast to the whole
-   copies that generation and inference use (:mod:`.reallocate`).
-2. **Generation + inference**: every rank is a generation instance; with inter-stage fusion the
-   long tail migrates to ``m`` ranks once ``R_t`` samples remain and the freed ranks score
-   finished samples as they stream in (:func:`rlhf_fusion.rollout.run_rollout`). Frozen
-   models offloaded to host memory (``placement.offload``) are prefetched as generation
-   starts, waited for by their first scoring call, and offloaded again once scoring ends
-   (:mod:`rlhf_fusion.runtime.offload`).
-3. **Advantages**: KL in the reward or the loss, GAE, whitening (:mod:`.advantages`).
-4. **Training**: PPO epochs x mini-batches; each mini-batch is one fused Actor/Critic pipeline
-   step (or the serial 1F1B order with intra-stage fusion off) planned once from profiled
-   stage times and activation memory and reused.
+1. **Weight sync**: the trained Actor reaches the generation copies, the trained Critic the
+   Critic-inference copies. From the fused pipeline each stage is broadcast from its owner
+   (:mod:`.reallocate`); from data-parallel training by
+   :func:`rlhf_fusion.runtime.reallocation.execute`: a rank that trains the model keeps its
+   own weights, every other destination receives each byte once, from the least-loaded
+   training rank (ReaLHF's reallocation; under ``disaggregated`` these are the shadow models).
+2. **Generation + inference** on the generation ranks (their own process group when not every
+   rank): with inter-stage fusion the long tail migrates to ``m`` ranks once ``R_t`` samples
+   remain. If the three inference calls share the generation ranks, the freed ranks score
+   finished samples as they stream in (:func:`rlhf_fusion.rollout.run_rollout`). Otherwise
+   every finished sample goes, as it finishes, into one queue per inference call
+   (:mod:`.call_queues`), and the call's ranks score what arrives while generation goes on;
+   the scores are gathered back. Frozen models offloaded to host memory
+   (``placement.offload``) are prefetched as generation starts, waited for by their first
+   scoring call, and offloaded again once scoring ends (:mod:`rlhf_fusion.runtime.offload`).
+3. **Advantages** on every rank from the whole batch (cheap, identical everywhere): KL in the
+   reward or the loss, GAE, whitening (:mod:`.advantages`).
+4. **Training**: PPO epochs x mini-batches, each laid out as the training calls' kind: one
+   fused Actor/Critic pipeline step (or the serial 1F1B order with intra-stage fusion off)
+   planned once from profiled stage times and activation memory and reused; or data parallel
+   on each training call's ranks (the replica's micro-batches shared in order, gradients
+   summed over the call's group, then one clipped step: the arithmetic of one device).
 """
 
 from __future__ import annotations
@@ -32,14 +47,14 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..launch import note_stage
-from ..rollout.inference import Experience, InferenceModels
+from ..rollout.inference import Experience, InferenceModels, merge_parts
 from ..rollout.local import LocalFusedRollout
 from ..rollout.reference import ReferenceBackend
 from ..rollout.types import SampleSpec
+from ..runtime.engine import clip_grad_norm_
 from ..runtime.fused import (
     ROLES,
     default_loss_fns,
-    fused_problem,
     partition_rank,
     pipelined_step,
     reference_step,
@@ -47,9 +62,22 @@ from ..runtime.fused import (
 from ..runtime.microbatch import split_micro_batches
 from ..runtime.offload import HostOffload, OffloadSet
 from ..runtime.ppo import PPOConfig
+from ..schedule.problem import fused_problem
 from . import advantages as adv
+from .call_queues import CallQueues, NoGeneration, Publishing
 from .config import RLHFConfig
+from .errors import LoopConfigError
 from .models import Models, build_models
+from .placement import (
+    FUSED_PIPELINE,
+    INFERENCE_CALLS,
+    SYNC_TARGET,
+    TRAIN_CALL,
+    TRAINING_KINDS,
+    LoopPlacement,
+    check_micro_batches,
+    placement_of,
+)
 from .reallocate import (
     broadcast_parameters,
     full_state,
@@ -91,10 +119,16 @@ class IterationResult:
 
 
 class PPOWorker:
-    """One rank's models, generation instance, training stages and optimizers."""
+    """One rank's share of an iteration under a placement (see the module docstring): its
+    models, generation instance, scorers, training stages or copies, and optimizers.
+
+    ``placement``: the run's :class:`~rlhf_fusion.loop.placement.LoopPlacement`; by default
+    the config's (``placement_of(cfg)``: every call on every rank unless a preset or a plan
+    says otherwise)."""
 
     def __init__(self, cfg: RLHFConfig, *, models: Models | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu",
+                 placement: LoopPlacement | None = None) -> None:
         cfg.validate()
         self.cfg = cfg
         self.device = torch.device(device)
@@ -104,6 +138,9 @@ class PPOWorker:
         if self.world != cfg.world_size and self.distributed:
             raise ValueError(f"world_size: the config says {cfg.world_size}, the process group "
                              f"has {self.world} ranks")
+        self.placement = self._placement(placement)
+        # Every rank creates every group, in the same order (new_group is collective).
+        self.groups = {ranks: dist.new_group(list(ranks)) for ranks in self.placement.groups()}
         self.models = models if models is not None else build_models(cfg.models)
         self.tokenizer = self.models.tokenizer
         self._scoring: list[tuple[int, float]] = []
@@ -122,23 +159,70 @@ class PPOWorker:
         self.iteration_index = 0
         self.schedule = None
 
-    # -- set-up (a placed worker overrides these) ------------------------------------------------
+    def _placement(self, given: LoopPlacement | None) -> LoopPlacement:
+        if given is not None:
+            check_micro_batches(self.cfg.ppo, self.cfg.generation.prompts_per_iteration, given)
+        lp = given if given is not None else placement_of(self.cfg)
+        if lp is None:
+            raise LoopConfigError("placement.search: search the plan before building the "
+                                  "workers (rlhf_fusion.loop.train does, once)")
+        if not self.distributed and lp.world_size > 1:
+            if lp.name != "default":
+                raise RuntimeError("a placement needs torch.distributed initialised with "
+                                   f"world_size={self.cfg.world_size} ranks "
+                                   "(rlhf_fusion.loop.train starts them)")
+            # One process without a process group: every call here.
+            lp = LoopPlacement.default(1, 1, offload=lp.offload)
+        return lp
+
+    # -- queries on the placement ----------------------------------------------------------------
+    def _holds(self, call: str) -> bool:
+        return self.placement.holds(call, self.rank)
+
+    def _group(self, ranks: tuple[int, ...]) -> Any:
+        """The process group of ``ranks`` (the default group, ``None``, for every rank)."""
+        return self.groups.get(ranks)
+
+    # -- set-up ----------------------------------------------------------------------------------
     def _setup_rollout(self) -> None:
-        """Whole copies for generation and inference; training owns the originals."""
-        m = self.models
-        self.backend = TimedBackend(self._generation_backend())
-        self.inference = InferenceModels(m.ref, self._reward(), copy.deepcopy(m.critic),
-                                         micro_batch=4, device=self.device,
-                                         pad_id=self.tokenizer.pad_token_id)
-        self.inference.score = timed_scoring(self.inference.score, self._scoring,
-                                             self._scoring_cpu)
+        """Whole copies for generation and the inference calls this rank holds; training owns
+        the originals. A rank keeps only the frozen models it serves."""
+        m, pad = self.models, self.tokenizer.pad_token_id
+        if not self.placement.fused_training and self.distributed:
+            from ..runtime.reallocation import param_table
+
+            # What the weight sync moves, known on every rank (before unplaced models go).
+            self._tables = {role: param_table(getattr(m, role), role) for role in ROLES}
+        generates = self.placement.generates(self.rank)
+        self.backend = TimedBackend(self._generation_backend()) if generates else NoGeneration()
+        held = {call: self._holds(call) for call in INFERENCE_CALLS}
+        models = {"ref_inf": m.ref if held["ref_inf"] else None,
+                  "reward_inf": self._reward() if held["reward_inf"] else None,
+                  "critic_inf": copy.deepcopy(m.critic) if held["critic_inf"] else None}
+        self.scorers: dict[str, InferenceModels] = {}
+        if self.placement.streamed_inference:
+            self.inference: InferenceModels | None = InferenceModels(
+                models["ref_inf"], models["reward_inf"], models["critic_inf"], micro_batch=4,
+                device=self.device, pad_id=pad)
+            if generates:
+                self.inference.score = timed_scoring(self.inference.score, self._scoring,
+                                                     self._scoring_cpu)
+        else:
+            self.inference = None
+            # One scorer per call this rank serves, holding that call's model only.
+            self.scorers = {c: InferenceModels(*(models[k] if k == c else None
+                                                 for k in INFERENCE_CALLS),
+                                               micro_batch=4, device=self.device, pad_id=pad)
+                            for c in INFERENCE_CALLS if held[c]}
+        if not held["ref_inf"]:
+            m.ref = None
 
     def _setup_offload(self) -> None:
         """The frozen models this rank scores with that live in host memory between their
-        calls (``cfg.offloaded()``): offloaded now, before the first iteration."""
+        calls (``placement.offload``): offloaded now, before the first iteration."""
         held = {}
         for inf in self._inference_models():
-            for name in self._offload_names():
+            for name in self.placement.offload:
                 model = getattr(inf, name)
                 if isinstance(model, torch.nn.Module):   # a rule reward has no weights
                     held[name] = HostOffload(model, self.device, name=name)
@@ -146,26 +230,32 @@ class PPOWorker:
         self.frozen.offload()
         self.frozen.take_stats()   # the one-time copy to host is no iteration's
 
-    def _offload_names(self) -> tuple[str, ...]:
-        return self.cfg.offloaded()
-
     def _inference_models(self) -> list[InferenceModels]:
-        """The scorers of this rank (a placed worker may hold one per inference call)."""
-        return [self.inference]
+        """The scorers of this rank (one per inference call when they are placed apart)."""
+        return [self.inference] if self.inference is not None else list(self.scorers.values())
 
     def _setup_training(self) -> None:
-        cfg, m = self.cfg, self.models
-        if self.world > 1:
-            n = cfg.stages()
-            problem = fused_problem(stage_groups=n, micro_batches=cfg.ppo.micro_batches,
-                                    actor_stages=n, critic_stages=cfg.fusion.critic_stages or n)
+        lp, m = self.placement, self.models
+        if lp.training_kind not in TRAINING_KINDS:
+            raise ValueError(f"placement {lp.name}: training layout {lp.training_kind!r}; the "
+                             f"loop runs {', '.join(TRAINING_KINDS)}")
+        if lp.fused_training:
+            actor, critic = lp.layout("actor_train"), lp.layout("critic_train")
+            problem = fused_problem(stage_groups=lp.stage_groups,
+                                    micro_batches=self.cfg.ppo.micro_batches,
+                                    actor_stages=actor.pp, critic_stages=critic.pp)
             self.fused = partition_rank(problem, {"actor": m.actor, "critic": m.critic},
                                         self.rank, loss_fns=default_loss_fns(self.ppo),
-                                        replicas=self.world // n, device=self.device)
+                                        replicas=lp.replicas, device=self.device)
             params = {role: list(self.fused.stages[role].parameters())
                       for role in self.fused.stages}
         else:
-            params = {role: list(getattr(m, role).parameters()) for role in ROLES}
+            params = {}
+            for role, call in TRAIN_CALL.items():
+                if self._holds(call):
+                    params[role] = list(getattr(m, role).parameters())
+                else:
+                    setattr(m, role, None)  # trained elsewhere
         self.optimizers = self._optimizers(params)
 
     def _optimizers(self, params: dict[str, list[torch.nn.Parameter]]
@@ -176,15 +266,16 @@ class PPOWorker:
                 for role, ps in params.items()}
 
     def _rt_planner(self) -> RtPlanner:
-        g = self.cfg.generation
-        return RtPlanner(g.prompts_per_iteration, self.world, bs_max=g.bs_max,
-                         kv_capacity_tokens=g.kv_capacity_tokens, fixed=self.cfg.rt_samples(None))
+        g, gen = self.cfg.generation, self.placement.generators
+        return RtPlanner(g.prompts_per_iteration, len(gen), bs_max=g.bs_max,
+                         kv_capacity_tokens=g.kv_capacity_tokens,
+                         fixed=self.cfg.rt_samples(None), src=gen[0])
 
     def training_modules(self) -> dict[str, torch.nn.Module]:
         """The modules whose parameters this rank trains (what its checkpoint holds)."""
-        if self.fused is None:
-            return {role: getattr(self.models, role) for role in ROLES}
-        return {role: st.module for role, st in self.fused.stages.items()}
+        if self.fused is not None:
+            return {role: st.module for role, st in self.fused.stages.items()}
+        return {role: getattr(self.models, role) for role in self.placement.trains(self.rank)}
 
     # -- pieces ----------------------------------------------------------------------------------
     def _generation_backend(self) -> Any:
@@ -219,13 +310,21 @@ class PPOWorker:
                            stop_token_ids=(int(self.tokenizer.eos_token_id),))
                 for i, p in enumerate(prompts)]
 
+    # -- 1. weight sync --------------------------------------------------------------------------
     def sync_weights(self) -> dict[str, float]:
         """Training layout -> generation layout, for the Actor (backend) and the Critic."""
-        if self.fused is None:
+        if self.fused is not None:
+            return self._sync_from_pipeline()
+        if not self.distributed:   # every copy on this rank
             for role in ROLES:
                 self._load(role, self._sync_dst(role),
                            dict(getattr(self.models, role).named_parameters()))
             return {"realloc/bytes": 0.0, "realloc/min_bytes": 0.0}
+        return self._sync_from_data_parallel()
+
+    def _sync_from_pipeline(self) -> dict[str, float]:
+        """Each stage broadcast from its owner (replica 0, copy 0) to every copy."""
+        assert self.fused is not None
         stage_params = {r: stage_parameters(s.module, self._tied[r])
                         for r, s in self.fused.stages.items()}
         if self._owners is None:
@@ -238,17 +337,55 @@ class PPOWorker:
                                                self._shapes[role], self.device)
             moved += got
             minimum += minimum_bytes(own, self._shapes[role], self.world)
-            if self._receives(role):
+            if self.placement.receives(role, self.rank):
                 self._load(role, self._sync_dst(role), params)
         totals = torch.tensor([float(moved)], dtype=torch.float64)
         dist.all_reduce(totals)
         return {"realloc/bytes": float(totals[0]), "realloc/min_bytes": float(minimum)}
 
+    def _sync_from_data_parallel(self) -> dict[str, float]:
+        """Whole copies on both sides: every piece comes from the least-loaded holder."""
+        from ..placement import Cluster, Layout, ParallelStrategy, mesh_from_ranks
+        from ..runtime.reallocation import execute
+
+        cluster = Cluster.uniform(1, self.world)
+
+        def layout(call: str) -> Layout:
+            lay = self.placement.layout(call)
+            return Layout(mesh_from_ranks(cluster, lay.ranks), ParallelStrategy(lay.dp, 1, 1))
+
+        moved = minimum = 0
+        for role in ROLES:
+            train, target = TRAIN_CALL[role], SYNC_TARGET[role]
+            local = (dict(getattr(self.models, role).named_parameters())
+                     if self._holds(train) else None)
+            res = execute(self._tables[role], layout(train), layout(target), local, cluster,
+                          device=self.device, timeout=self.cfg.fusion.timeout_s)
+            moved += res.bytes
+            minimum += res.min_bytes
+            if res.shard is not None:
+                self._load(role, self._sync_dst(role), res.shard)
+        return {"realloc/bytes": float(moved), "realloc/min_bytes": float(minimum)}
+
+    def _sync_dst(self, role: str) -> torch.nn.Module | None:
+        """The copy ``role``'s weights go to (a vLLM engine holds its own: ``None``)."""
+        if role == "actor":
+            return getattr(self.backend, "model", None)
+        scorer = self.inference if self.inference is not None else self.scorers["critic_inf"]
+        return scorer.critic
+
+    def _load(self, role: str, dst: torch.nn.Module | None, params: dict[str, Tensor]) -> None:
+        # The Actor's copy belongs to the generation backend: weights go in through its API.
+        if role == "actor":
+            self.backend.update_weights(params if dst is None else full_state(dst, params))
+        else:
+            dst.load_state_dict(full_state(dst, params))
+
     def offload_metrics(self) -> dict[str, float]:
         """This iteration's ``offload/*`` over every rank (none when nothing is offloaded):
         bytes brought back to the device (summed), the prefetch copy, the wait for it and
         the offload (seconds, the slowest rank's)."""
-        if not self._offload_names():
+        if not self.placement.offload:
             return {}
         st = self.frozen.take_stats()
         row = torch.tensor([[st.bytes, st.prefetch_s, st.wait_s, st.offload_s]],
@@ -287,39 +424,95 @@ class PPOWorker:
             out["time/train_idle"] = max(self.world * train_s - tot[4], 0.0)
         return out
 
-    def _sync_dst(self, role: str) -> torch.nn.Module | None:
-        """The copy ``role``'s weights go to (a vLLM engine holds its own: ``None``)."""
-        if role == "actor":
-            return getattr(self.backend, "model", None)
-        return self.inference.critic
-
-    def _receives(self, role: str) -> bool:
-        """Whether this rank holds a generation/inference copy of ``role``."""
-        return True
-
-    def _load(self, role: str, dst: torch.nn.Module | None, params: dict[str, Tensor]) -> None:
-        # The Actor's copy belongs to the generation backend: weights go in through its API.
-        if role == "actor":
-            self.backend.update_weights(params if dst is None else full_state(dst, params))
-        else:
-            dst.load_state_dict(full_state(dst, params))
-
+    # -- 2. generation + inference ---------------------------------------------------------------
     def rollout(self, specs: list[SampleSpec]) -> tuple[list[Experience], dict[str, Any]]:
         """Generation + inference; every rank returns the whole batch, sorted by sample id."""
+        gen = self.placement.generators
         f = self.cfg.fusion
-        if self.world == 1:
-            out = LocalFusedRollout([self.backend], self.inference).run(specs)
-            return out.experiences or [], {"ranks": [], "rt": None}
-        from ..rollout import RolloutConfig, run_rollout
+        fused = f.inter and len(gen) > 1
+        rt = self.rt_planner.rt() if fused else None  # collective over every rank
+        fused = fused and bool(rt)   # R_t = 0: the planner predicts no gain from migrating
+        self._t0 = time.perf_counter()   # every rank leaves the collective above together
+        self._scored_at: list[float] = []
+        # Inference elsewhere: every finished sample goes to one queue per inference call as
+        # it finishes, and the calls' ranks score it while generation goes on.
+        stream = None if self.placement.streamed_inference else CallQueues(
+            self.iteration_index, f.timeout_s)
+        out_box: list[Any] = [None]
+        if self.placement.generates(self.rank):
+            from ..rollout import RolloutConfig, run_rollout
 
-        rt = self.rt_planner.rt() if f.inter else None
-        fused = bool(rt)   # R_t = 0: the planner predicts no gain from migrating
-        rcfg = RolloutConfig(fused=fused, rt=rt if fused else None, mechanism=f.mechanism,
-                             timeout_s=f.timeout_s, report_every=16)
-        out = run_rollout(self.backend, self.inference, specs, rcfg,
-                          bs_max=self.cfg.generation.bs_max)
-        return out.experiences or [], {**out.stats, "rt": rt}
+            backend = self.backend if stream is None else Publishing(self.backend, stream.push)
+            if len(gen) == 1:
+                res = LocalFusedRollout([backend], self.inference).run(specs)
+                out_box[0] = (res.results, res.experiences, {"ranks": []})
+            else:
+                rcfg = RolloutConfig(fused=fused, rt=rt if fused else None,
+                                     mechanism=f.mechanism, timeout_s=f.timeout_s,
+                                     report_every=16)
+                out = run_rollout(backend, self.inference, specs, rcfg,
+                                  bs_max=self.cfg.generation.bs_max, group=self._group(gen))
+                out_box[0] = (out.results, out.experiences, out.stats)
+            if stream is not None:
+                stream.generation_done()
+        scored = self._consume(stream, len(gen)) if stream is not None else None
+        if len(gen) < self.world:   # the generation ranks' first hands the batch to everyone
+            dist.broadcast_object_list(out_box, src=gen[0])
+        results, exps, stats = out_box[0]
+        if exps is None:
+            exps, scorers = self._gather_scores(results, scored or {})
+            stats = {**stats, "scorers": scorers}
+        if stream is not None and self.rank == 0:
+            stream.clear()
+        return exps or [], {**stats, "rt": rt}
 
+    def _consume(self, stream: CallQueues, generators: int
+                 ) -> dict[str, list[tuple[int, dict[str, object]]]]:
+        """Score this rank's inference calls' samples as they arrive, until generation is done
+        on every generation rank and the queues are empty."""
+        mine: dict[str, list[tuple[int, dict[str, object]]]] = {c: [] for c in self.scorers}
+        idle = 0.001
+        while True:
+            busy = False
+            for call, scorer in self.scorers.items():
+                batch = stream.pop(call, scorer.micro_batch)
+                if batch:
+                    busy = True
+                    t = time.perf_counter()
+                    self._scored_at.append(t - self._t0)
+                    parts = scorer.score_parts(batch)
+                    self._scoring.append((sum(len(x.prompt_ids) + len(x.token_ids)
+                                              for x in batch), time.perf_counter() - t))
+                    mine[call].extend((x.sample_id, q) for x, q in zip(batch, parts))
+            if busy:
+                idle = 0.001
+                stream.progressed()
+                continue
+            if stream.finished(generators, list(self.scorers)):
+                return mine
+            stream.check_deadline(self.rank)
+            time.sleep(idle)
+            idle = min(2 * idle, 0.008)
+
+    def _gather_scores(self, results: Sequence[Any],
+                       mine: dict[str, list[tuple[int, dict[str, object]]]]
+                       ) -> tuple[list[Experience], list[dict[str, Any]]]:
+        """Every rank gets every score (each call's samples were scored once, somewhere), and
+        when each rank scored (seconds since the rollout started: first and last batch)."""
+        at = self._scored_at
+        gathered: list[Any] = [None] * self.world
+        dist.all_gather_object(gathered, (mine, (min(at), max(at)) if at else None))
+        by_id: dict[int, list[dict[str, object]]] = {s.sample_id: [] for s in results}
+        scorers = []
+        for rank, (rep, span) in enumerate(gathered):
+            for pairs in rep.values():
+                for sid, part in pairs:
+                    by_id[sid].append(part)
+            if span is not None:
+                scorers.append({"rank": rank, "first_score_s": span[0], "last_score_s": span[1]})
+        return [merge_parts(s, by_id[s.sample_id]) for s in results], scorers
+
+    # -- 3. advantages ---------------------------------------------------------------------------
     def batch(self, exps: list[Experience]) -> tuple[dict[str, Tensor], dict[str, float]]:
         p = self.cfg.ppo
         rb = adv.response_batch(exps)
@@ -330,6 +523,7 @@ class PPOWorker:
         batch = adv.training_batch(exps, a, r, rb, pad_id=self.tokenizer.pad_token_id)
         return batch, adv.rollout_metrics(rb, kl_coef=p.kl_coef, estimator=p.kl_estimator)
 
+    # -- 4. training -----------------------------------------------------------------------------
     def _plan(self, mbs: list[dict[str, Tensor]]) -> None:
         assert self.fused is not None
         f = self.cfg.fusion
@@ -376,35 +570,83 @@ class PPOWorker:
         return split_micro_batches(batch, p.micro_batches)
 
     def train(self, batch: dict[str, Tensor], iteration: int) -> dict[str, float]:
-        """PPO epochs x mini-batches; every rank holds the whole batch and takes its rows."""
-        p = self.cfg.ppo
-        replicas = self.world // self.cfg.stages() if self.fused is not None else 1
-        replica = self.rank // self.cfg.stages() if self.fused is not None else 0
+        """PPO epochs x mini-batches; every rank holds the whole batch and takes its rows.
+        Each mini-batch is split into ``micro_batches`` per replica; this rank's replica takes
+        its own and runs them in the training calls' layout."""
+        p, lp = self.cfg.ppo, self.placement
         sums: dict[str, float] = {}
         steps = 0
-        for mbs in self.mini_batches(batch, iteration, p.micro_batches * replicas):
-            if self.fused is None:
-                out = reference_step(
-                    {"actor": self.models.actor, "critic": self.models.critic}, mbs,
-                    self.optimizers, default_loss_fns(self.ppo), max_grad_norm=p.max_grad_norm)
-            else:
-                mine = mbs[replica * p.micro_batches: (replica + 1) * p.micro_batches]
-                if self.fused.engine is None:
-                    self._plan(mine)
-                out = pipelined_step(self.fused, mine, self.optimizers,
-                                     max_grad_norm=p.max_grad_norm)
-                tr = self.fused.engine.last_trace if self.fused.engine is not None else None
-                if tr is not None:
-                    self._train_events.extend(tr.events)
+        replica = lp.replica(self.rank)
+        for mbs in self.mini_batches(batch, iteration, p.micro_batches * lp.replicas):
+            mine = mbs[replica * p.micro_batches: (replica + 1) * p.micro_batches]
+            out = (self._pipeline_step(mine) if lp.training_kind == FUSED_PIPELINE
+                   else self._data_parallel_step(mine))
             steps += 1
-            for role, st in out["stats"].items():
-                for name, v in st.items():
-                    key = f"{role}/{name}"
-                    sums[key] = sums.get(key, 0.0) + float(v)
-            for role, v in (out.get("grad_norm") or {}).items():
-                sums[f"{role}/grad_norm"] = sums.get(f"{role}/grad_norm", 0.0) + float(v)
+            for name, v in out.items():
+                sums[name] = sums.get(name, 0.0) + v
+        if lp.training_kind != FUSED_PIPELINE and self.distributed:
+            # Each training call's first rank reports its model's statistics to everyone.
+            lead = {role: self._holds(TRAIN_CALL[role]) and lp.leads(role, self.rank)
+                    for role in ROLES}
+            report = {k: v for k, v in sums.items() if lead[k.split("/")[0]]}
+            gathered: list[Any] = [None] * self.world
+            dist.all_gather_object(gathered, report)
+            sums = {k: v for rep in gathered for k, v in rep.items()}
         means = {k: v / max(steps, 1) for k, v in sums.items()}
         return trl_training_metrics(means)
+
+    def _pipeline_step(self, mbs: list[dict[str, Tensor]]) -> dict[str, float]:
+        """One fused Actor/Critic pipeline step over this replica's micro-batches."""
+        assert self.fused is not None
+        if self.fused.engine is None:
+            self._plan(mbs)
+        out = pipelined_step(self.fused, mbs, self.optimizers,
+                             max_grad_norm=self.cfg.ppo.max_grad_norm)
+        tr = self.fused.engine.last_trace if self.fused.engine is not None else None
+        if tr is not None:
+            self._train_events.extend(tr.events)
+        return _flat_stats(out)
+
+    def _data_parallel_step(self, mbs: list[dict[str, Tensor]]) -> dict[str, float]:
+        """Each training call this rank holds: its share of the micro-batches, gradients
+        summed over the call's ranks, then one clipped optimizer step (the arithmetic of one
+        device)."""
+        loss_fns = default_loss_fns(self.ppo)
+        out: dict[str, float] = {}
+        for role, call in TRAIN_CALL.items():
+            if self._holds(call):
+                out.update(self._dp_step(role, call, mbs, loss_fns))
+        return out
+
+    def _dp_step(self, role: str, call: str, mbs: Sequence[dict[str, Tensor]],
+                 loss_fns: dict[str, Any]) -> dict[str, float]:
+        lay = self.placement.layout(call)
+        per = len(mbs) // lay.dp
+        i = lay.index(self.rank)
+        model = getattr(self.models, role)
+        out = reference_step({role: model}, mbs[i * per: (i + 1) * per], None, loss_fns,
+                             loss_denominator=len(mbs), step=False, roles=(role,))
+        group = self._group(lay.ranks)
+        grads = [q.grad for q in model.parameters() if q.grad is not None]
+        if lay.dp > 1:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=group)
+            off = 0
+            for g in grads:
+                g.copy_(flat[off: off + g.numel()].view_as(g))
+                off += g.numel()
+        stats = out["stats"][role]
+        keys = sorted(stats)
+        vals = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
+        if lay.dp > 1:
+            dist.all_reduce(vals, group=group)
+        norm = clip_grad_norm_(model.parameters(), self.cfg.ppo.max_grad_norm)
+        opt = self.optimizers[role]
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        res = {f"{role}/{k}": float(v) for k, v in zip(keys, vals)}
+        res[f"{role}/grad_norm"] = float(norm)
+        return res
 
     def mini_batches(self, batch: dict[str, Tensor], iteration: int, micro_batches: int
                      ) -> Iterator[list[dict[str, Tensor]]]:
@@ -501,10 +743,11 @@ class PPOWorker:
     def canonical_state(self) -> dict[str, Tensor]:
         """This rank's share of ``{actor.*, critic.*}`` (every entry once over all ranks)."""
         out: dict[str, Tensor] = {}
-        if self.fused is None:
-            for role in ROLES:
-                for k, v in getattr(self.models, role).named_parameters():
-                    out[f"{role}.{k}"] = v.detach().clone()
+        if self.fused is None:   # whole copies: each training call's first rank saves
+            for role in self.placement.trains(self.rank):
+                if self.placement.leads(role, self.rank):
+                    for k, v in getattr(self.models, role).named_parameters():
+                        out[f"{role}.{k}"] = v.detach().clone()
             return out
         for role, st in self.fused.stages.items():
             if self._canonical(role):
@@ -538,6 +781,7 @@ class PPOWorker:
             self.backend.close()
 
 
+
 def trl_training_metrics(means: dict[str, float]) -> dict[str, float]:
     """The training stats under TRL's PPO names (plus ours under their own)."""
     names = {
@@ -551,6 +795,16 @@ def trl_training_metrics(means: dict[str, float]) -> dict[str, float]:
         "critic/grad_norm": "val/grad_norm",
     }
     return {names.get(k, k): v for k, v in means.items()}
+
+
+def _flat_stats(out: dict[str, Any]) -> dict[str, float]:
+    """A training step's ``{"stats": {role: {name: v}}, "grad_norm": {role: v}}`` as
+    ``{"role/name": v}``."""
+    flat = {f"{role}/{name}": float(v) for role, st in out["stats"].items()
+            for name, v in st.items()}
+    flat.update({f"{role}/grad_norm": float(v)
+                 for role, v in (out.get("grad_norm") or {}).items()})
+    return flat
 
 
 def _is_compute(name: str) -> bool:

@@ -12,13 +12,19 @@ import string
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ..runtime.partition import CriticModel
-from .config import MODEL_FAMILIES, LoopConfigError, ModelsConfig, ModelSource
+from .errors import LoopConfigError
+
+if TYPE_CHECKING:
+    from .config import ModelsConfig, ModelSource, RLHFConfig
+    from .placement import LoopPlacement
+
+MODEL_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 
 RewardFn = Callable[[str, str], float]
 """A rule-based reward, as TRL's reward functions: ``f(prompt_text, response_text) -> score``."""
@@ -255,7 +261,7 @@ def _hub_unreachable() -> str | None:
     return None
 
 
-def check_sources(cfg: Any, placement: Any = None) -> None:
+def check_sources(cfg: RLHFConfig, placement: LoopPlacement | None = None) -> None:
     """Every model source of ``cfg`` (an ``RLHFConfig``) read and built on the meta device,
     before any process starts: unknown keys, missing folders, unknown reward rules, a
     decoder the pipeline cannot split, and no more pipeline stages than decoder layers
@@ -307,7 +313,8 @@ def check_sources(cfg: Any, placement: Any = None) -> None:
                   layers.get("models.critic", layers["models.actor"]))
 
 
-def _check_stages(cfg: Any, placement: Any, actor_layers: int, critic_layers: int) -> None:
+def _check_stages(cfg: RLHFConfig, placement: LoopPlacement | None, actor_layers: int,
+                  critic_layers: int) -> None:
     """No pipeline stage without a decoder layer: the stage count of the Actor and of the
     Critic at most their layer counts, named by the field that sets it."""
     if placement is not None:

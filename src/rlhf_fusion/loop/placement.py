@@ -1,38 +1,69 @@
-"""Where the loop runs each model function call: a placement preset or a plan file, resolved
-to rank sets and (dp, pp) for the local processes before any of them starts.
+"""Where the loop runs each model function call: the :class:`LoopPlacement` one
+:class:`~rlhf_fusion.loop.iteration.PPOWorker` reads, resolved for the local processes before
+any of them starts (:func:`placement_of`).
 
-The planning side (:mod:`rlhf_fusion.placement`) describes placements on device meshes; the
-loop's processes form one node of ``world_size`` devices. What the loop executes:
+Every run has one. By default (no ``placement`` section) every call runs on every rank and the
+Actor and Critic train on the fused pipeline of ``fusion.pipeline_stages`` stages (default:
+every rank), ``world_size / pipeline_stages`` replicas of it; with one process every call is
+on rank 0 and training is one data-parallel rank. A ``placement`` section gives a FlexRLHF
+preset or a plan file instead (:func:`resolve`); the planning side
+(:mod:`rlhf_fusion.placement`) describes placements on device meshes, and the loop's processes
+form one node of ``world_size`` devices. What the loop executes:
 
 * ``actor_gen``: every rank of its mesh is a generation instance (inter-stage fusion runs
   among them);
 * ``ref_inf``, ``reward_inf``, ``critic_inf``: whole copies on every rank of the call's mesh,
   samples shared round-robin (data parallel). When all three share the generation mesh they
-  score finished samples while the tail decodes; otherwise the generated samples are
-  gathered, each mesh scores its share, and the scores are gathered back;
-* ``actor_train``, ``critic_train``: data parallel on the call's mesh (``pp = 1``: whole
-  copies, gradients all-reduced over the mesh), or the fused Actor/Critic pipeline when both
-  calls share every rank with the same ``pp > 1`` (intra-stage fusion);
+  score finished samples while the tail decodes; otherwise each finished sample is queued to
+  the call's ranks, which score it while generation goes on, and the scores are gathered back;
+* ``actor_train``, ``critic_train``: a layout kind (:data:`TRAINING_KINDS`):
+  ``data_parallel`` (whole copies, the replica's micro-batches shared in order, gradients
+  all-reduced over the call's ranks) or ``fused_pipeline`` (the fused Actor/Critic pipeline,
+  both calls on every rank; a plan gives it with the same ``pp > 1`` for both);
 * after each PPO round the trained parameters reach the generation and Critic-inference copies
   from their owners (ReaLHF's parameter reallocation; shadow models under ``disaggregated``);
-* a plan's ``offload`` (frozen Ref/Reward in host memory between calls) is honoured unless the
-  config's ``placement.offload`` says otherwise (:meth:`RLHFConfig.offloaded`).
+* the frozen models kept in host memory between calls: ``placement.offload``, else a plan's
+  ``offload``.
 
-Tensor parallelism is not executed (``tp`` must be 1), nor pipelines for inference calls or
-for one model alone; such plans are rejected with the reason.
+``ppo.micro_batches`` has one meaning: the micro-batches one training *replica* runs per
+mini-batch. A mini-batch is cut into ``replicas`` equal slices (the default's pipeline
+replicas; a placement's training is one replica), each split into ``micro_batches``
+micro-batches; what runs a model in parallel inside a replica (a Critic's copies in the
+pipeline, the data-parallel ranks of a call) shares the replica's micro-batches, so
+``micro_batches`` is a multiple of their count (:func:`check_micro_batches`, the one check).
+
+Tensor parallelism and ZeRO-3 are not executed (``tp`` must be 1), nor pipelines for inference
+calls or for one model alone; such plans are rejected with the reason.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..placement.graph import CALL_KIND, CALLS, TRAIN_CALL
+from .errors import LoopConfigError
+
+if TYPE_CHECKING:
+    from .config import PPOLoopConfig, RLHFConfig
 
 INFERENCE_CALLS = tuple(c for c in CALLS if CALL_KIND[c] == "inference")
+
+# How a call's model is laid out on its ranks. A new way to run a model (tensor parallel,
+# ZeRO-3) is a new value here and its branch in the worker, not a new worker.
+DATA_PARALLEL = "data_parallel"     # whole copies; training all-reduces their gradients
+FUSED_PIPELINE = "fused_pipeline"   # the fused Actor/Critic pipeline (training calls only)
+TRAINING_KINDS = (DATA_PARALLEL, FUSED_PIPELINE)
+
+# Where each trained model's weights go after a round (the Critic-inference copy is the model
+# ``critic_inf`` scores with; the Actor's generation copy lives in the backend).
+SYNC_TARGET = {"actor": "actor_gen", "critic": "critic_inf"}
+
+FROZEN_MODELS = ("ref", "reward")
 
 
 class PlacementConfigError(ValueError):
@@ -41,9 +72,12 @@ class PlacementConfigError(ValueError):
 
 @dataclass(frozen=True)
 class CallLayout:
+    """One call on its ranks: ``dp * pp`` of them, laid out as ``kind``."""
+
     ranks: tuple[int, ...]
     dp: int
     pp: int = 1
+    kind: str = DATA_PARALLEL
 
     def index(self, rank: int) -> int:
         """This rank's data-parallel index in the call (ranks in order)."""
@@ -52,12 +86,78 @@ class CallLayout:
 
 @dataclass(frozen=True)
 class LoopPlacement:
+    """Which ranks hold each of the six calls and how (:class:`CallLayout`), how many
+    training replicas split a mini-batch, and the frozen models offloaded between calls."""
+
     name: str
     calls: Mapping[str, CallLayout]
-    offload: tuple[str, ...] = ()   # the plan's frozen models in host memory between calls
+    world_size: int
+    offload: tuple[str, ...] = ()   # frozen models in host memory between calls
+    replicas: int = 1               # independent slices of a mini-batch (ppo.micro_batches each)
+
+    @classmethod
+    def default(cls, world_size: int, stages: int, critic_stages: int | None = None,
+                offload: tuple[str, ...] = ()) -> LoopPlacement:
+        """Every call on every rank; with ``world_size > 1`` training on the fused pipeline
+        of ``stages`` stages (the Critic's of ``critic_stages``), ``world_size / stages``
+        replicas of it; with one rank, training on it alone."""
+        every = tuple(range(world_size))
+        calls = {c: CallLayout(every, world_size) for c in CALLS}
+        replicas = 1
+        if world_size > 1:
+            cs = critic_stages or stages
+            replicas = world_size // stages
+            calls["actor_train"] = CallLayout(every, world_size // stages, stages,
+                                              FUSED_PIPELINE)
+            calls["critic_train"] = CallLayout(every, world_size // cs, cs, FUSED_PIPELINE)
+        return cls("default", calls, world_size, offload, replicas)
+
+    # -- queries the worker asks -----------------------------------------------------------------
+    def layout(self, call: str) -> CallLayout:
+        return self.calls[call]
 
     def holds(self, call: str, rank: int) -> bool:
         return rank in self.calls[call].ranks
+
+    def generates(self, rank: int) -> bool:
+        return self.holds("actor_gen", rank)
+
+    def receives(self, role: str, rank: int) -> bool:
+        """Whether ``rank`` holds the generation/inference copy ``role``'s weights go to."""
+        return self.holds(SYNC_TARGET[role], rank)
+
+    def trains(self, rank: int) -> tuple[str, ...]:
+        """The roles ``rank`` trains."""
+        return tuple(role for role, call in TRAIN_CALL.items() if self.holds(call, rank))
+
+    def leads(self, role: str, rank: int) -> bool:
+        """The first rank of ``role``'s training call: it reports and saves the model
+        (data-parallel layouts; a pipeline's stages are saved by their canonical holders)."""
+        return self.calls[TRAIN_CALL[role]].ranks[0] == rank
+
+    @property
+    def training_kind(self) -> str:
+        """The layout both training calls run in (resolution keeps them one kind)."""
+        return self.calls["actor_train"].kind
+
+    @property
+    def fused_training(self) -> bool:
+        return self.training_kind == FUSED_PIPELINE
+
+    @property
+    def stage_groups(self) -> int:
+        """Ranks per training replica: the fused pipeline's stage groups."""
+        return len(self.calls["actor_train"].ranks) // self.replicas
+
+    def replica(self, rank: int) -> int:
+        """The training replica ``rank`` belongs to (which slice of each mini-batch it
+        trains on)."""
+        return rank // self.stage_groups if self.replicas > 1 else 0
+
+    def copies(self, call: str) -> int:
+        """How many copies of a training call's model run in parallel inside one replica,
+        sharing its micro-batches (a Critic's pipeline copies, a call's data-parallel ranks)."""
+        return self.calls[call].dp // self.replicas
 
     @property
     def streamed_inference(self) -> bool:
@@ -66,19 +166,115 @@ class LoopPlacement:
         return all(set(self.calls[c].ranks) == gen for c in INFERENCE_CALLS)
 
     @property
-    def fused_training(self) -> bool:
-        return self.calls["actor_train"].pp > 1
+    def generators(self) -> tuple[int, ...]:
+        """The generation ranks: R_t is planned for them, on the first."""
+        return self.calls["actor_gen"].ranks
 
     def groups(self) -> list[tuple[int, ...]]:
-        """Every distinct rank set, in one order all ranks agree on (for ``new_group``)."""
-        return sorted({lay.ranks for lay in self.calls.values()})
+        """Every distinct rank set short of the whole world, in one order all ranks agree on
+        (for ``new_group``; the whole world is the default group)."""
+        every = tuple(range(self.world_size))
+        return sorted({lay.ranks for lay in self.calls.values()} - {every})
 
     def describe(self) -> str:
         rows = [f"{c:<12} ranks {list(lay.ranks)} dp={lay.dp} pp={lay.pp}"
+                + (f" {lay.kind}" if lay.kind != DATA_PARALLEL else "")
                 for c, lay in self.calls.items()]
         if self.offload:
             rows.append(f"offload      {', '.join(self.offload)} (host memory between calls)")
         return f"placement {self.name}:\n  " + "\n  ".join(rows)
+
+
+def placement_of(cfg: RLHFConfig) -> LoopPlacement | None:
+    """The placement ``cfg`` runs, checked against the rest of the config: its preset or plan,
+    else the default. ``None`` while ``placement.search`` is pending (searched once, before
+    the processes start: :func:`search_plan`)."""
+    pl, f = cfg.placement, cfg.fusion
+    if pl.search is not None:
+        if pl.preset is not None or pl.plan is not None:
+            raise LoopConfigError("placement: give one of preset, plan or search")
+        if not pl.search > 0:
+            raise LoopConfigError(f"placement.search: {pl.search!r}; give the search "
+                                  "time in seconds (> 0)")
+        check_micro_batches(cfg.ppo, cfg.generation.prompts_per_iteration, None)
+        return None
+    own = offload_names(pl.offload)
+    if pl.preset is None and pl.plan is None:
+        n, w = cfg.stages(), cfg.world_size
+        if w > 1 and w % n:
+            raise LoopConfigError(
+                f"fusion.pipeline_stages: {n} does not divide world_size={w}; use a divisor "
+                f"of {w}")
+        cs = f.critic_stages or n
+        if w > 1 and n % cs:
+            raise LoopConfigError(
+                f"fusion.critic_stages: {cs} does not divide pipeline_stages={n}; use a "
+                f"divisor of {n}")
+        lp = LoopPlacement.default(w, n, cs, own or ())
+    else:
+        if f.pipeline_stages is not None or f.critic_stages is not None:
+            raise LoopConfigError(
+                "fusion.pipeline_stages / critic_stages: under a placement the training "
+                "layout comes from the placement (a plan's pp); remove them")
+        if cfg.generation.backend != "reference":
+            raise LoopConfigError("placement: runs with generation.backend: reference only")
+        try:
+            lp = resolve(pl.preset, pl.plan, cfg.world_size, pl.inference_fraction)
+        except PlacementConfigError as exc:
+            raise LoopConfigError(str(exc)) from exc
+        assert lp is not None
+        if own is not None:
+            lp = dataclasses.replace(lp, offload=own)
+    check_micro_batches(cfg.ppo, cfg.generation.prompts_per_iteration, lp)
+    return lp
+
+
+def check_micro_batches(ppo: PPOLoopConfig, batch: int, placement: LoopPlacement | None
+                        ) -> None:
+    """``ppo.micro_batches`` (per replica, per mini-batch) against the placement: the
+    replicas' slices of a mini-batch split into it, and each training call's copies inside a
+    replica share it (``placement`` ``None``: a search pending, one replica)."""
+    m = ppo.micro_batches
+    mini = batch // ppo.num_mini_batches
+    replicas = placement.replicas if placement is not None else 1
+    if mini % (m * replicas):
+        raise LoopConfigError(
+            f"ppo.micro_batches: a mini-batch of {mini} samples cannot be split into "
+            f"{m} micro-batches x {replicas} data-parallel replicas; pick "
+            f"micro_batches dividing {mini // replicas}")
+    if placement is None:
+        return
+    for call in TRAIN_CALL.values():
+        k = placement.copies(call)
+        if m % k:
+            where = (f"placement {placement.name}" if placement.name != "default" else
+                     "each pipeline replica (fusion.critic_stages below pipeline_stages runs "
+                     "copies)")
+            raise LoopConfigError(
+                f"ppo.micro_batches: {m} micro-batches per mini-batch and replica cannot be "
+                f"shared by the {k} data-parallel ranks of {call} in {where}; use a "
+                f"multiple of {k}")
+
+
+def offload_names(value: Any) -> tuple[str, ...] | None:
+    """``placement.offload`` as a tuple of frozen model names (``None``: not set)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return FROZEN_MODELS if value else ()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise LoopConfigError(f"placement.offload: {value!r}; give true (Ref and Reward), "
+                              "false, or a list of model names such as [ref, reward]")
+    for v in value:
+        if v in ("actor", "critic"):
+            raise LoopConfigError(
+                f"placement.offload: {v} is trained every iteration and cannot live in host "
+                "memory between calls; only the frozen ref and reward can: use [ref], "
+                "[reward], [ref, reward] or true")
+        if v not in FROZEN_MODELS:
+            raise LoopConfigError(f"placement.offload: unknown model {v!r}; use [ref], "
+                                  "[reward], [ref, reward] or true")
+    return tuple(m for m in FROZEN_MODELS if m in value)
 
 
 def resolve(preset: str | None, plan: str | Path | None, world_size: int,
@@ -147,7 +343,8 @@ def resolve(preset: str | None, plan: str | Path | None, world_size: int,
             raise PlacementConfigError(
                 f"placement: {c} has pp={pp}; the loop runs generation and inference on whole "
                 "copies (pp=1)")
-        out[c] = CallLayout(tuple(ranks), dp, pp)
+        kind = FUSED_PIPELINE if pp > 1 else DATA_PARALLEL
+        out[c] = CallLayout(tuple(ranks), dp, pp, kind)
     a, cr = out["actor_train"], out["critic_train"]
     if (a.pp > 1 or cr.pp > 1) and (a.ranks != cr.ranks or a.pp != cr.pp
                                     or len(a.ranks) != world_size):
@@ -156,15 +353,14 @@ def resolve(preset: str | None, plan: str | Path | None, world_size: int,
             f"{list(cr.ranks)} pp={cr.pp}: a training pipeline runs only as the fused "
             "Actor/Critic pipeline over every rank (both calls on all ranks, the same pp); "
             "use pp=1 (data parallel) otherwise")
-    return LoopPlacement(name, out, tuple(offload))
+    return LoopPlacement(name, out, world_size, tuple(offload))
 
 
-def search_plan(cfg: Any, prompt_len: float, out: str | Path) -> str:
+def search_plan(cfg: RLHFConfig, prompt_len: float, out: str | Path) -> str:
     """Search a plan for ``cfg`` (``placement.search`` seconds, ``placement.hardware``) among
     the plans the loop executes (tp = 1, no pipelines), write it to ``out`` and return the
     path. Run once, before the processes start: every rank must run the same plan."""
     from ..placement import Cluster, PlacementError, PlacementProblem, resolve_model, search
-    from .config import offload_names
     from .models import model_configs, model_shapes
 
     pl, g, p = cfg.placement, cfg.generation, cfg.ppo

@@ -238,7 +238,7 @@ def _with_searched_plan(cfg: RLHFConfig, prompt_ids: Sequence[Sequence[int]],
     """Search the plan once, here, and hand every rank the same file."""
     import tempfile
 
-    from .placement import PlacementConfigError, search_plan
+    from .placement import PlacementConfigError, placement_of, search_plan
 
     where = (Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="rlhf-fusion-"))) \
         / "plan.json"
@@ -250,7 +250,7 @@ def _with_searched_plan(cfg: RLHFConfig, prompt_ids: Sequence[Sequence[int]],
     cfg.placement.search = None
     cfg.placement.plan = path
     cfg.validate()
-    print(f"placement: searched plan written to {path}\n{cfg.loop_placement().describe()}",
+    print(f"placement: searched plan written to {path}\n{placement_of(cfg).describe()}",
           file=sys.stderr)
     return cfg
 
@@ -322,11 +322,11 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
         save_checkpoint,
         worker_state,
     )
-    from .placed import make_worker
+    from .iteration import PPOWorker
 
     note_stage("building the models")
     torch.manual_seed(cfg.models.seed)
-    worker = make_worker(cfg) if device == "cpu" else make_worker(cfg, device=device)
+    worker = PPOWorker(cfg) if device == "cpu" else PPOWorker(cfg, device=device)
     start = 0
     history: list[dict[str, float]] = []
     if resume_from is not None and out_dir is not None:

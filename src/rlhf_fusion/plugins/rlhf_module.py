@@ -67,9 +67,9 @@ class RLHFModule(pl.LightningModule):
 
     def setup(self, stage: str) -> None:
         if self.worker is None:
-            from ..loop.placed import make_worker
+            from ..loop.iteration import PPOWorker
 
-            self.worker = make_worker(self.run_config())
+            self.worker = PPOWorker(self.run_config())
 
     def configure_optimizers(self) -> Any:
         # The worker owns one optimizer per resident training stage (see PPOWorker).

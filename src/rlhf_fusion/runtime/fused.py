@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..schedule import Problem, Schedule, solve
+from ..schedule.problem import fused_problem  # noqa: F401 - where users import it from
 from .comm import PipelineComm
 from .engine import PipelineEngine, TrainStageRunner, clip_grad_norm_, scale_loss
 from .errors import PlanError
@@ -41,57 +42,6 @@ from .ppo import PPOConfig, actor_ppo_loss, critic_ppo_loss
 log = logging.getLogger(__name__)
 
 #: The two models of the fused PPO step, in the order their optimizers are listed.
-
-
-def fused_problem(
-    *,
-    stage_groups: int,
-    micro_batches: int,
-    actor_stages: int | None = None,
-    critic_stages: int | None = None,
-    actor_times: tuple[Any, Any] = (1.0, 2.0),
-    critic_times: tuple[Any, Any] = (1.0, 2.0),
-    actor_activation: Any = 1.0,
-    critic_activation: Any = 1.0,
-    actor_size: float | None = None,
-    critic_size: float | None = None,
-) -> Problem:
-    """The fused PPO training problem: Actor forward over groups 0..N-1, Critic reversed.
-
-    ``micro_batches`` is per pipeline replica per step; each model's copies split it
-    (``copies = N / stages``, ``micro_batches per copy = micro_batches / copies``). ``*_times``
-    are (forward, backward) per stage: a number or a list of one number per stage.
-    """
-    n = stage_groups
-    models = []
-    for name, stages, times, act, size, direction in (
-        ("actor", actor_stages or n, actor_times, actor_activation, actor_size, "forward"),
-        ("critic", critic_stages or n, critic_times, critic_activation, critic_size, "reverse"),
-    ):
-        if n % stages:
-            raise PlanError(
-                f"{name}_stages: {stages} does not divide stage_groups={n}; choose a divisor of {n}"
-            )
-        copies = n // stages
-        if micro_batches % copies:
-            raise PlanError(
-                f"micro_batches: {micro_batches} cannot be shared by the {copies} copies of the "
-                f"{name}; use a multiple of {copies}"
-            )
-        spec: dict[str, Any] = {
-            "name": name,
-            "pipeline_stages": stages,
-            "copies": copies,
-            "micro_batches": micro_batches // copies,
-            "forward": list(times[0]) if isinstance(times[0], Sequence) else times[0],
-            "backward": list(times[1]) if isinstance(times[1], Sequence) else times[1],
-            "activation": list(act) if isinstance(act, Sequence) else act,
-            "direction": direction,
-        }
-        if size is not None:
-            spec["size"] = size
-        models.append(spec)
-    return Problem.from_dict({"stage_groups": n, "models": models})
 
 
 def check_models_against_problem(

@@ -11,9 +11,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..schedule import Problem
+from ..schedule import Problem, fused_problem
 from .engine import TrainStageRunner
-from .fused import fused_problem
 
 MIB = float(1 << 20)
 

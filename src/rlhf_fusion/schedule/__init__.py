@@ -6,7 +6,7 @@ from .bounds import lower_bound
 from .evaluate import CapacityError, DeadlockError, Evaluation, ScheduleError, validate
 from .greedy import greedy
 from .policy import SearchPolicy
-from .problem import InfeasibleError, ModelSpec, Problem, ProblemError, Task
+from .problem import InfeasibleError, ModelSpec, Problem, ProblemError, Task, fused_problem
 from .result import Schedule
 from .solve import SOLVERS, solve
 
@@ -25,6 +25,7 @@ __all__ = [
     "SearchPolicy",
     "Task",
     "concatenated_1f1b",
+    "fused_problem",
     "greedy",
     "lower",
     "lower_all",

@@ -314,3 +314,55 @@ def task_from_json(problem: Problem, data: Mapping[str, Any]) -> Task:
         int(data["stage"]),
         int(data["micro_batch"]),
     )
+
+
+def fused_problem(
+    *,
+    stage_groups: int,
+    micro_batches: int,
+    actor_stages: int | None = None,
+    critic_stages: int | None = None,
+    actor_times: tuple[Any, Any] = (1.0, 2.0),
+    critic_times: tuple[Any, Any] = (1.0, 2.0),
+    actor_activation: Any = 1.0,
+    critic_activation: Any = 1.0,
+    actor_size: float | None = None,
+    critic_size: float | None = None,
+) -> Problem:
+    """The fused PPO training problem: Actor forward over groups 0..N-1, Critic reversed.
+
+    ``micro_batches`` is per pipeline replica per step (the loop's ``ppo.micro_batches``);
+    each model's copies share it (``copies = N / stages``), so a :class:`ModelSpec` holds
+    ``micro_batches / copies`` per copy. ``*_times`` are (forward, backward) per stage: a
+    number or a list of one number per stage.
+    """
+    n = stage_groups
+    models = []
+    for name, stages, times, act, size, direction in (
+        ("actor", actor_stages or n, actor_times, actor_activation, actor_size, "forward"),
+        ("critic", critic_stages or n, critic_times, critic_activation, critic_size, "reverse"),
+    ):
+        if n % stages:
+            raise ProblemError(
+                f"{name}_stages: {stages} does not divide stage_groups={n}; choose a divisor of {n}"
+            )
+        copies = n // stages
+        if micro_batches % copies:
+            raise ProblemError(
+                f"micro_batches: {micro_batches} cannot be shared by the {copies} copies of the "
+                f"{name}; use a multiple of {copies}"
+            )
+        spec: dict[str, Any] = {
+            "name": name,
+            "pipeline_stages": stages,
+            "copies": copies,
+            "micro_batches": micro_batches // copies,
+            "forward": list(times[0]) if isinstance(times[0], Sequence) else times[0],
+            "backward": list(times[1]) if isinstance(times[1], Sequence) else times[1],
+            "activation": list(act) if isinstance(act, Sequence) else act,
+            "direction": direction,
+        }
+        if size is not None:
+            spec["size"] = size
+        models.append(spec)
+    return Problem.from_dict({"stage_groups": n, "models": models})
