@@ -73,10 +73,6 @@ class FusionConfig:
             raise FusionConfigError(f"unknown FusionConfig field(s) {bad}; known: {sorted(known)}")
         return replace(self, **changes)  # type: ignore[arg-type]
 
-    @property
-    def any_on(self) -> bool:
-        return self.stream or self.gae or self.trim_padding or self.pipeline_stages > 1
-
     def validate(self) -> None:
         if self.rt != "auto" and not (isinstance(self.rt, (int, float)) and 0 < self.rt <= 1):
             raise FusionConfigError(
