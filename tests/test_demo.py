@@ -19,8 +19,8 @@ from rlhf_fusion.loop.config import (  # noqa: E402
     RLHFConfig,
 )
 from rlhf_fusion.loop.plot import segments, timeline_png  # noqa: E402
-from rlhf_fusion.loop.rt import RtPlanner  # noqa: E402
 from rlhf_fusion.rollout.planning.simulate import plan_migration  # noqa: E402
+from rlhf_fusion.rollout.rt_control import RtPlanner  # noqa: E402
 
 # Decode steps of 2 ms plus 0.1 ms per running sample, as the loop's TimedBackend logs them.
 STEPS = [(b, 0.002 + 0.0001 * b) for b in (1, 2, 4, 8, 16, 24)] * 3

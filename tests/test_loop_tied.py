@@ -28,8 +28,8 @@ from rlhf_fusion.loop import (  # noqa: E402
 )
 from rlhf_fusion.loop.demo import demo_prompts  # noqa: E402
 from rlhf_fusion.loop.models import build_models  # noqa: E402
-from rlhf_fusion.loop.reallocate import stage_parameters, tied_aliases  # noqa: E402
 from rlhf_fusion.runtime.partition import partition_  # noqa: E402
+from rlhf_fusion.runtime.weight_sync import stage_parameters, tied_aliases  # noqa: E402
 
 ITERATIONS = 2
 PROMPTS = 8

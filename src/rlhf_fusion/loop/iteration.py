@@ -35,6 +35,7 @@ from ..launch import note_stage
 from ..rollout.inference import Experience, InferenceModels
 from ..rollout.local import LocalFusedRollout
 from ..rollout.reference import ReferenceBackend
+from ..rollout.rt_control import RtPlanner, TimedBackend, timed_scoring
 from ..rollout.types import SampleSpec
 from ..runtime.fused import (
     ROLES,
@@ -47,10 +48,7 @@ from ..runtime.fused import (
 from ..runtime.microbatch import split_micro_batches
 from ..runtime.offload import HostOffload, OffloadSet
 from ..runtime.ppo import PPOConfig
-from . import advantages as adv
-from .config import RLHFConfig
-from .models import Models, build_models
-from .reallocate import (
+from ..runtime.weight_sync import (
     broadcast_parameters,
     full_state,
     minimum_bytes,
@@ -59,7 +57,9 @@ from .reallocate import (
     stage_parameters,
     tied_aliases,
 )
-from .rt import RtPlanner, TimedBackend, timed_scoring
+from . import advantages as adv
+from .config import RLHFConfig
+from .models import Models, build_models
 
 
 class LoopStageError(RuntimeError):

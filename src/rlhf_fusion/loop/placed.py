@@ -5,7 +5,7 @@ placed as :mod:`rlhf_fusion.loop.placement` resolved them (a FlexRLHF preset or 
 The iteration reads the same top to bottom; what changes is who does each part:
 
 1. **Weight sync**: the trained Actor reaches the generation copies, the trained Critic the
-   Critic-inference copies, by :func:`rlhf_fusion.runtime.reallocation.execute` from the
+   Critic-inference copies, by :func:`rlhf_fusion.runtime.realloc_execute.execute` from the
    training layout to the inference layout: a rank that trains the model keeps its own
    weights, every other destination receives each byte once, from the least-loaded training
    rank (ReaLHF's reallocation; under ``disaggregated`` these are the shadow models). With the
@@ -39,6 +39,7 @@ from torch import Tensor
 
 from ..rollout.inference import Experience, InferenceModels, merge_parts
 from ..rollout.local import LocalFusedRollout
+from ..rollout.rt_control import RtPlanner, TimedBackend, timed_scoring
 from ..rollout.types import SampleSpec
 from ..runtime.engine import clip_grad_norm_
 from ..runtime.fused import ROLES, default_loss_fns, reference_step
@@ -46,7 +47,6 @@ from .config import RLHFConfig
 from .iteration import PPOWorker, trl_training_metrics
 from .models import Models
 from .placement import INFERENCE_CALLS, TRAIN_CALL, LoopPlacement
-from .rt import RtPlanner, TimedBackend, timed_scoring
 
 # The Critic-inference copy is the model ``critic_inf`` scores with; the Actor's generation
 # copy lives in the backend.
@@ -93,7 +93,7 @@ class PlacedPPOWorker(PPOWorker):
         return self.placement.holds(call, self.rank)
 
     def _setup_rollout(self) -> None:
-        from ..runtime.reallocation import param_table
+        from ..runtime.realloc_execute import param_table
 
         m, pad = self.models, self.tokenizer.pad_token_id
         # What the weight sync moves, known on every rank (before unplaced models are dropped).
@@ -157,7 +157,7 @@ class PlacedPPOWorker(PPOWorker):
         if self.fused is not None:
             return super().sync_weights()
         from ..placement import Cluster, Layout, ParallelStrategy, mesh_from_ranks
-        from ..runtime.reallocation import execute
+        from ..runtime.realloc_execute import execute
 
         cluster = Cluster.uniform(1, self.world)
 

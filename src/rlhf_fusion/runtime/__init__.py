@@ -51,7 +51,7 @@ from .ppo import (
     values_from_head,
 )
 from .profile import SavedTensorMeter, StageProfile, problem_from_profiles, profile_runner
-from .reallocation import ParamTable, ReallocResult, local_shard, param_table
+from .realloc_execute import ParamTable, ReallocResult, local_shard, param_table
 
 __all__ = [
     "ROLES",

@@ -28,7 +28,7 @@ __all__ = ["RtChooser", "migrated_rollout", "migrating_rollout"]
 
 class RtChooser:
     """R_t (samples) for each rollout of a trainer: ``fusion.rt`` as a fraction of the batch,
-    or ``"auto"``: :class:`~rlhf_fusion.loop.rt.RtPlanner`, fed after every rollout. Collective
+    or ``"auto"``: :class:`~rlhf_fusion.rollout.rt_control.RtPlanner`, fed after every rollout. Collective
     under ``"auto"`` (rank 0 decides and broadcasts)."""
 
     def __init__(self, rt: float | str, bs_max: int, world: int) -> None:
@@ -41,7 +41,7 @@ class RtChooser:
         if self.fixed is not None:
             return max(1, round(self.fixed * batch))
         if self.planner is None or self.planner.batch != batch:
-            from ...loop.rt import RtPlanner
+            from ...rollout.rt_control import RtPlanner
 
             self.planner = RtPlanner(batch, self.world, bs_max=self.bs_max)
         return self.planner.rt()
@@ -58,7 +58,7 @@ def migrating_rollout(chooser: RtChooser, backend: Any, scorer: Any, specs: list
                       fusion: Any) -> tuple[Any, int]:
     """One :func:`run_rollout` with migration at the chooser's R_t, every decode step timed
     and the outcome fed back to the chooser. Returns ``(RolloutOutput, R_t)``."""
-    from ...loop.rt import TimedBackend
+    from ...rollout.rt_control import TimedBackend
 
     timed = TimedBackend(backend)
     rt = chooser.rt(len(specs))
