@@ -3,7 +3,7 @@
 Every process contributes its local prompts; :func:`run_rollout` then generates the whole
 batch (process ``r`` first holds the samples with ``sample_id % world == r``), moves the long
 tail to fewer processes once at most R_t samples are left, and lets the freed processes score
-finished samples through the same :class:`_StreamScorer` as a single process. Every process
+finished samples through the same :class:`StreamScorer` as a single process. Every process
 gets the whole batch back and keeps its own slice, so TRL's code after generation sees what it
 would have seen without migration.
 
@@ -15,13 +15,16 @@ decode-step timings seen in earlier rollouts, refined after every rollout (RLHFu
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...rollout.config import RolloutConfig
 from ...rollout.distributed import run_rollout
 from ...rollout.reference import ReferenceBackend
 from ...rollout.types import SampleResult
-from .streaming import FusedRolloutMixin, _Batch, _StreamScorer
+from .scoring import StreamBatch, StreamScorer
+
+if TYPE_CHECKING:
+    from .streaming import FusedRolloutMixin
 
 __all__ = ["RtChooser", "migrated_rollout", "migrating_rollout"]
 
@@ -72,7 +75,7 @@ def migrating_rollout(chooser: RtChooser, backend: Any, scorer: Any, specs: list
 
 
 def migrated_rollout(trainer: FusedRolloutMixin, backend: ReferenceBackend,
-                     prompt_ids: list[list[int]], batch: _Batch | None) -> list[SampleResult]:
+                     prompt_ids: list[list[int]], batch: StreamBatch | None) -> list[SampleResult]:
     """This process's samples (ids ``rank * n ...``), generated and scored across processes."""
     from accelerate.utils import gather_object
 
@@ -82,10 +85,10 @@ def migrated_rollout(trainer: FusedRolloutMixin, backend: ReferenceBackend,
     everyone = gather_object([list(p) for p in prompt_ids])
     specs = trainer._sample_specs(everyone, 0)
     scorer = None
-    whole: _Batch | None = None
+    whole: StreamBatch | None = None
     if batch is not None:
-        whole = _Batch(inputs=gather_object(list(batch.inputs)), offset=0)
-        scorer = _StreamScorer(trainer, whole, specs)
+        whole = StreamBatch(inputs=gather_object(list(batch.inputs)), offset=0)
+        scorer = StreamScorer(trainer, whole, specs)
     fusion = trainer.fusion
     chooser = getattr(t, "_rt_chooser", None)
     if chooser is None:
