@@ -1,6 +1,6 @@
 """OpenRLHF integration: flags, version guard, the Ray setup hook (asserted inside real local Ray
 workers) and the gae plugin against OpenRLHF's own method. Skipped without openrlhf and ray;
-vllm/flash_attn/deepspeed are stubbed (``integrations.openrlhf.testing``)."""
+vllm/flash_attn/deepspeed are stubbed (``rlhf_fusion.testing.openrlhf``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from rlhf_fusion.integrations.openrlhf import (  # noqa: E402
     FusionOptions,
     split_argv,
 )
-from rlhf_fusion.integrations.openrlhf.testing import (  # noqa: E402
+from rlhf_fusion.testing.openrlhf import (  # noqa: E402
     HOOK_WITH_STUBS,
     install_cpu_stubs,
     remove_cpu_stubs,

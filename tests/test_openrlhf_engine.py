@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("openrlhf")
 pytest.importorskip("torch")
 
-from rlhf_fusion.integrations.openrlhf.testing import (  # noqa: E402
+from rlhf_fusion.testing.openrlhf import (  # noqa: E402
     CharTokenizer,
     FakeAsyncLLM,
     SamplingParams,

@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
 from rlhf_fusion.integrations.openrlhf import FusionOptions  # noqa: E402
-from rlhf_fusion.integrations.openrlhf.testing import (  # noqa: E402
+from rlhf_fusion.testing.openrlhf import (  # noqa: E402
     HOOK_WITH_STUBS,
     CharTokenizer,
     fake_model_actor_class,

@@ -13,7 +13,7 @@ ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
 from rlhf_fusion.integrations.openrlhf import FusionOptions  # noqa: E402
-from rlhf_fusion.integrations.openrlhf.testing import (  # noqa: E402
+from rlhf_fusion.testing.openrlhf import (  # noqa: E402
     HOOK_WITH_STUBS,
     CharTokenizer,
     install_cpu_stubs,
@@ -119,7 +119,7 @@ def test_driver_cost_tokenizer_once_per_engine_waits_per_engine_prompts_stay_loc
     """The tokenizer goes to each engine once (not with every request); each ray.wait covers
     at most one poll and one submit per engine (not every pending sample); without migration
     all of a prompt's samples finish on the engine its prompt went to (prefix cache)."""
-    from rlhf_fusion.integrations.openrlhf.testing import CharTokenizer as Tok
+    from rlhf_fusion.testing.openrlhf import CharTokenizer as Tok
 
     widths = []
     real_wait = ray.wait

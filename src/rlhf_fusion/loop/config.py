@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..rollout.backend_registry import backend_names
+
 MODEL_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 MECHANISMS = ("kv", "tokens", "auto")
-BACKENDS = ("reference", "vllm")
 
 
 class LoopConfigError(ValueError):
@@ -49,7 +50,8 @@ class GenerationConfig:
 
     ``backend``: ``"reference"`` (our transformers backend, any device) or ``"vllm"`` (an
     ``AsyncLLMEngine`` per rank built from ``models.actor``, a Hub id or directory, with
-    ``vllm_engine_kwargs`` passed through; migration by the tokens mechanism).
+    ``vllm_engine_kwargs`` passed through; migration by the tokens mechanism), or any name
+    registered in :mod:`rlhf_fusion.rollout.backend_registry`.
     """
 
     prompts_per_iteration: int = 32
@@ -338,7 +340,7 @@ class RLHFConfig:
         _integer("generation.bs_max", g.bs_max, 1)
         if g.kv_capacity_tokens is not None:
             _integer("generation.kv_capacity_tokens", g.kv_capacity_tokens, 1, unset=True)
-        _choice("generation.backend", g.backend, BACKENDS)
+        _choice("generation.backend", g.backend, backend_names())
         if g.vllm_engine_kwargs is not None and not isinstance(g.vllm_engine_kwargs, Mapping):
             raise LoopConfigError(
                 f"generation.vllm_engine_kwargs: {g.vllm_engine_kwargs!r}; give a mapping of "

@@ -32,9 +32,9 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..launch import note_stage
+from ..rollout.backend_registry import BackendRequest, make_backend
 from ..rollout.inference import Experience, InferenceModels
 from ..rollout.local import LocalFusedRollout
-from ..rollout.reference import ReferenceBackend
 from ..rollout.rt_control import RtPlanner, TimedBackend, timed_scoring
 from ..rollout.types import SampleSpec
 from ..runtime.fused import (
@@ -189,18 +189,11 @@ class PPOWorker:
     # -- pieces ----------------------------------------------------------------------------------
     def _generation_backend(self) -> Any:
         g = self.cfg.generation
-        if g.backend == "vllm":
-            from ..rollout.vllm_backend import VLLMBackend
-
-            # Sleep mode where the platform has it: VLLMBackend decides (not on CPU).
-            kwargs = {"seed": g.seed, "max_num_seqs": g.bs_max,
-                      # PPO's old logprobs are under the sampling temperature.
-                      "logprobs_mode": "processed_logprobs", **(g.vllm_engine_kwargs or {})}
-            return VLLMBackend(model=str(self.cfg.models.actor), engine_kwargs=kwargs,
-                               instance_id=self.rank, max_batch_size=g.bs_max)
-        return ReferenceBackend(
-            copy.deepcopy(self.models.actor), instance_id=self.rank, max_batch_size=g.bs_max,
-            kv_capacity_tokens=g.kv_capacity_tokens, device=self.device)
+        return make_backend(g.backend, BackendRequest(
+            copy_model=lambda: copy.deepcopy(self.models.actor), instance_id=self.rank,
+            max_batch_size=g.bs_max, seed=g.seed, checkpoint=str(self.cfg.models.actor),
+            device=self.device, kv_capacity_tokens=g.kv_capacity_tokens,
+            engine_kwargs=g.vllm_engine_kwargs))
 
     def _reward(self) -> Any:
         r = self.models.reward

@@ -8,9 +8,10 @@ gets the whole batch back and keeps its own slice, so TRL's code after generatio
 would have seen without migration.
 
 Needs a default process group that can send CPU tensors point to point (gloo; the CPU
-``accelerate`` launch). R_t: ``fusion.rt`` as a fraction, or with ``"auto"`` the loop's planner
-(:class:`RtChooser`): the generation + inference simulator over the response lengths and
-decode-step timings seen in earlier rollouts, refined after every rollout (RLHFuse §4.2).
+``accelerate`` launch). R_t: ``fusion.rt`` as a fraction, or with ``"auto"`` the R_t planner
+the loop uses too (:class:`RtChooser`): the generation + inference simulator over the response
+lengths and decode-step timings seen in earlier rollouts, refined after every rollout
+(RLHFuse §4.2).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ __all__ = ["RtChooser", "migrated_rollout", "migrating_rollout"]
 
 class RtChooser:
     """R_t (samples) for each rollout of a trainer: ``fusion.rt`` as a fraction of the batch,
-    or ``"auto"``: :class:`~rlhf_fusion.rollout.rt_control.RtPlanner`, fed after every rollout. Collective
-    under ``"auto"`` (rank 0 decides and broadcasts)."""
+    or ``"auto"``: :class:`~rlhf_fusion.rollout.rt_control.RtPlanner`, fed after every
+    rollout. Collective under ``"auto"`` (rank 0 decides and broadcasts)."""
 
     def __init__(self, rt: float | str, bs_max: int, world: int) -> None:
         self.fixed = None if rt == "auto" else float(rt)

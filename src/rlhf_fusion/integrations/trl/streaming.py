@@ -32,11 +32,10 @@ from typing import Any
 
 import torch
 
-from ...rollout.reference import ReferenceBackend
 from ...rollout.sampling import derive_seed
 from ...rollout.types import SampleResult, SampleSpec
-from .compat import check_trl_seams, generation_copy, logps_options, uses_fused_lm_head
-from .fusion import FusionConfig, FusionConfigError, vllm_generation_backend
+from .compat import check_trl_seams, logps_options, uses_fused_lm_head
+from .fusion import FusionConfig, FusionConfigError, generation_backend
 from .packing import Packed, attention_mask_for, completion_targets, pack
 from .scoring import StreamBatch, StreamScorer, stock_module
 
@@ -177,18 +176,11 @@ class FusedRolloutMixin:
         """A copy of the policy in the backend, with this step's weights pushed into it."""
         t: Any = self
         policy = t.accelerator.unwrap_model(t.model)
-        if self._fusion_backend is None and self.fusion.backend == "vllm":
-            self._fusion_backend = vllm_generation_backend(
-                policy, self.fusion, seed=int(t.args.seed),
-                instance_id=t.accelerator.process_index)
         if self._fusion_backend is None:
-            dtype = getattr(torch, self.fusion.generation_dtype)
-            self._fusion_backend = ReferenceBackend(
-                generation_copy(policy), instance_id=t.accelerator.process_index,
-                max_batch_size=self.fusion.max_batch_size, dtype=dtype,
-                device=t.accelerator.device)
-        else:
-            self._fusion_backend.update_weights(policy.state_dict())
+            self._fusion_backend = generation_backend(
+                policy, self.fusion, seed=int(t.args.seed),
+                instance_id=t.accelerator.process_index, device=t.accelerator.device)
+        self._fusion_backend.update_weights(policy.state_dict())
         return self._fusion_backend
 
     def _sample_specs(self, prompt_ids: Sequence[Sequence[int]], offset: int) -> list[SampleSpec]:

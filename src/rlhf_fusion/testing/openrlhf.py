@@ -18,8 +18,8 @@ import types
 import uuid
 from typing import Any
 
-from ...testing.vllm import FakeAsyncLLM
-from ...testing.vllm import FakeSamplingParams as SamplingParams
+from .vllm import FakeAsyncLLM
+from .vllm import FakeSamplingParams as SamplingParams
 
 __all__ = ["CharTokenizer", "FakeAsyncLLM", "FakeModel", "fake_model_actor_class",
            "install_cpu_stubs", "setup_worker_with_cpu_stubs"]
@@ -32,7 +32,7 @@ def _missing_name(module: str):
         if name.startswith("__"):
             raise AttributeError(name)
         raise AttributeError(f"{module}.{name} is not in rlhf_fusion's CPU stub; add it to "
-                             "integrations/openrlhf/testing.py if OpenRLHF now needs it")
+                             "testing/openrlhf.py if OpenRLHF now needs it")
     return __getattr__
 
 
