@@ -7,7 +7,7 @@ on local processes; ``PPOWorker`` is one rank's share, for code that owns its pr
 """
 
 from .config import (
-    FusionConfig,
+    FusionLoopConfig,
     GenerationConfig,
     LoopConfigError,
     ModelsConfig,
@@ -22,7 +22,7 @@ from .run import load_prompts, train
 
 __all__ = [
     "CharTokenizer",
-    "FusionConfig",
+    "FusionLoopConfig",
     "GenerationConfig",
     "IterationResult",
     "LoopConfigError",

@@ -88,8 +88,10 @@ class PPOLoopConfig:
 
 
 @dataclass
-class FusionConfig:
-    """The plugins. Both ``inter`` and ``intra`` off is the serial baseline (RLHFuse-Base).
+class FusionLoopConfig:
+    """The plugins of the loop (a run config's ``fusion:``; the TRL trainers have their own,
+    :class:`rlhf_fusion.integrations.trl.FusionConfig`). Both ``inter`` and ``intra`` off is the
+    serial baseline (RLHFuse-Base).
 
     ``rt``: ``"auto"`` (chosen by simulation from the response lengths seen so far, refined
     every iteration), a fraction of the batch in (0, 1), or a sample count >= 1.
@@ -108,7 +110,7 @@ class FusionConfig:
     timeout_s: float = 120.0
 
     @classmethod
-    def off(cls) -> FusionConfig:
+    def off(cls) -> FusionLoopConfig:
         return cls(inter=False, intra=False)
 
 
@@ -149,7 +151,7 @@ class RLHFConfig:
     models: ModelsConfig = field(default_factory=ModelsConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     ppo: PPOLoopConfig = field(default_factory=PPOLoopConfig)
-    fusion: FusionConfig = field(default_factory=FusionConfig)
+    fusion: FusionLoopConfig = field(default_factory=FusionLoopConfig)
     placement: PlacementSection = field(default_factory=PlacementSection)
     world_size: int = 2
     iterations: int = 10
@@ -159,7 +161,7 @@ class RLHFConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RLHFConfig:
         sections = {"models": ModelsConfig, "generation": GenerationConfig,
-                    "ppo": PPOLoopConfig, "fusion": FusionConfig,
+                    "ppo": PPOLoopConfig, "fusion": FusionLoopConfig,
                     "placement": PlacementSection}
         if not isinstance(data, Mapping):
             raise LoopConfigError(f"config: expected a mapping of sections, got "
