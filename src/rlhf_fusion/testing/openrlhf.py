@@ -99,7 +99,7 @@ def remove_cpu_stubs(names: list[str]) -> None:
 def setup_worker_with_cpu_stubs() -> None:
     """The integration's setup hook, after the stubs (Ray workers in CPU tests)."""
     install_cpu_stubs()
-    from .hook import setup_worker
+    from ..integrations.openrlhf.hook import setup_worker
 
     setup_worker()
 
