@@ -7,8 +7,8 @@ dotted path add no edges). Imports inside functions count: a lazy import that br
 import time still ties the two modules together, so it is an edge like any other. Imports
 under ``if TYPE_CHECKING:`` are type-only: they must respect the layers too, but they never run
 and so do not make a cycle. ``importlib.import_module`` with a literal ``"rlhf_fusion..."``
-name is an edge too; the lazy ``__getattr__`` tables of package ``__init__`` files only reach
-their own package's modules.
+name is an edge too, as is each entry of a package ``__init__``'s lazy ``_LAZY`` table (name ->
+submodule, imported on first access).
 
 The layers, bottom first, as the code has them (``docs/architecture.md`` draws the same): a
 module may import from its own unit or from a lower layer, never from a unit beside it or above
@@ -88,6 +88,11 @@ def _targets(module: str, is_package: bool, node: ast.AST) -> list[str]:
         else:
             pkg = node.module or ""
         names = [f"{pkg}.{a.name}" if f"{pkg}.{a.name}" in MODULES else pkg for a in node.names]
+    elif (is_package and isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+          and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets)):
+        # A package's lazy table: attribute -> its own submodule, imported on first access.
+        names = [f"{module}.{v.value.lstrip('.')}" for v in node.value.values
+                 if isinstance(v, ast.Constant) and isinstance(v.value, str)]
     elif (isinstance(node, ast.Call) and node.args
           and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module"
           and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str)):
@@ -187,6 +192,7 @@ def test_the_reader_sees_the_imports_it_must():
                   "rlhf_fusion.rollout.rt_control")] is False  # inside a function
     assert EDGES[("rlhf_fusion.plugins.launcher", "rlhf_fusion.plugins.fused_pipeline")] is True
     assert ("rlhf_fusion.placement.hooks", "rlhf_fusion.rollout.planning") in EDGES
+    assert ("rlhf_fusion.rollout", "rlhf_fusion.rollout.reference") in EDGES  # _LAZY
     assert len(MODULES) > 100 and len(EDGES) > 400
 
 
