@@ -45,7 +45,8 @@ from rlhf_fusion.runtime import (
     reference_step,
     split_micro_batches,
 )
-from rlhf_fusion.runtime.profile import problem_from_profiles, profile_runner
+from rlhf_fusion.runtime.fused import problem_from_profiles
+from rlhf_fusion.runtime.profile import profile_runner
 from rlhf_fusion.schedule import (
     Problem,
     Schedule,

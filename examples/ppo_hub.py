@@ -14,7 +14,7 @@ import sys
 
 from rlhf_fusion.cli import run_logged
 from rlhf_fusion.loop import (
-    FusionConfig,
+    FusionLoopConfig,
     GenerationConfig,
     LoopConfigError,
     ModelsConfig,
@@ -50,7 +50,7 @@ def main() -> int:
         generation=GenerationConfig(prompts_per_iteration=args.prompts_per_iteration,
                                     max_new_tokens=args.max_new_tokens),
         ppo=PPOLoopConfig(learning_rate=1e-6, num_mini_batches=2, micro_batches=2),
-        fusion=FusionConfig.off() if args.serial else FusionConfig(),
+        fusion=FusionLoopConfig.off() if args.serial else FusionLoopConfig(),
         world_size=args.world_size,
         iterations=args.iterations,
     )

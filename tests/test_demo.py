@@ -12,15 +12,15 @@ pytest.importorskip("transformers")
 from rlhf_fusion.loop import compare as cmp  # noqa: E402
 from rlhf_fusion.loop import demo  # noqa: E402
 from rlhf_fusion.loop.config import (  # noqa: E402
-    FusionConfig,
+    FusionLoopConfig,
     GenerationConfig,
     ModelsConfig,
     PPOLoopConfig,
     RLHFConfig,
 )
 from rlhf_fusion.loop.plot import segments, timeline_png  # noqa: E402
-from rlhf_fusion.loop.rt import RtPlanner  # noqa: E402
 from rlhf_fusion.rollout.planning.simulate import plan_migration  # noqa: E402
+from rlhf_fusion.rollout.rt_control import RtPlanner  # noqa: E402
 
 # Decode steps of 2 ms plus 0.1 ms per running sample, as the loop's TimedBackend logs them.
 STEPS = [(b, 0.002 + 0.0001 * b) for b in (1, 2, 4, 8, 16, 24)] * 3
@@ -61,7 +61,7 @@ def tiny_demo(*, iterations: int = 24, serial: bool = False, world_size: int = 2
         generation=GenerationConfig(prompts_per_iteration=8, max_new_tokens=24, seed=2),
         ppo=PPOLoopConfig(num_ppo_epochs=1, num_mini_batches=1, micro_batches=2,
                           learning_rate=3e-3),
-        fusion=FusionConfig.off() if serial else FusionConfig(rt="auto", solver="greedy"),
+        fusion=FusionLoopConfig.off() if serial else FusionLoopConfig(rt="auto", solver="greedy"),
         world_size=world_size, iterations=iterations)
 
 

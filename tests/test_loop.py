@@ -11,7 +11,7 @@ pytest.importorskip("transformers")
 
 from rlhf_fusion.launch import DistributedRunError  # noqa: E402
 from rlhf_fusion.loop import (  # noqa: E402
-    FusionConfig,
+    FusionLoopConfig,
     GenerationConfig,
     LoopConfigError,
     ModelsConfig,
@@ -39,7 +39,7 @@ def tiny(world: int = 2, *, inter: bool = True, intra: bool = True, mechanism: s
         generation=GenerationConfig(prompts_per_iteration=16, max_new_tokens=40, seed=5),
         ppo=PPOLoopConfig(num_ppo_epochs=2, num_mini_batches=2, micro_batches=micro_batches,
                           learning_rate=3e-3, kl_coef=0.05),
-        fusion=FusionConfig(inter=inter, intra=intra, rt=rt, mechanism=mechanism,
+        fusion=FusionLoopConfig(inter=inter, intra=intra, rt=rt, mechanism=mechanism,
                             critic_stages=critic_stages, pipeline_stages=pipeline_stages,
                             solver="greedy", timeout_s=60.0),
         world_size=world, iterations=ITERATIONS, **kw)

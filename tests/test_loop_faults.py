@@ -22,7 +22,7 @@ pytest.importorskip("transformers")
 
 from rlhf_fusion.launch import DistributedRunError, run_ranks  # noqa: E402
 from rlhf_fusion.loop import (  # noqa: E402
-    FusionConfig,
+    FusionLoopConfig,
     GenerationConfig,
     LoopConfigError,
     ModelsConfig,
@@ -43,7 +43,7 @@ def tiny(world: int = 2, *, inter: bool = True, iterations: int = 3,
         generation=GenerationConfig(prompts_per_iteration=8, max_new_tokens=24, seed=5),
         ppo=PPOLoopConfig(num_ppo_epochs=1, num_mini_batches=1, micro_batches=2,
                           learning_rate=3e-3, kl_coef=0.05),
-        fusion=FusionConfig(inter=inter, intra=True, rt=0.5, solver="greedy",
+        fusion=FusionLoopConfig(inter=inter, intra=True, rt=0.5, solver="greedy",
                             timeout_s=timeout_s),
         world_size=world, iterations=iterations)
 

@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("transformers")
 
 from rlhf_fusion.loop import (  # noqa: E402
-    FusionConfig,
+    FusionLoopConfig,
     GenerationConfig,
     ModelsConfig,
     PlacementSection,
@@ -28,8 +28,8 @@ from rlhf_fusion.loop import (  # noqa: E402
 )
 from rlhf_fusion.loop.demo import demo_prompts  # noqa: E402
 from rlhf_fusion.loop.models import build_models  # noqa: E402
-from rlhf_fusion.loop.reallocate import stage_parameters, tied_aliases  # noqa: E402
 from rlhf_fusion.runtime.partition import partition_  # noqa: E402
+from rlhf_fusion.runtime.weight_sync import stage_parameters, tied_aliases  # noqa: E402
 
 ITERATIONS = 2
 PROMPTS = 8
@@ -46,7 +46,7 @@ def tied(family: str, world: int, *, fused: bool = True, micro_batches: int = 2,
         generation=GenerationConfig(prompts_per_iteration=PROMPTS, max_new_tokens=12, seed=5),
         ppo=PPOLoopConfig(num_ppo_epochs=1, num_mini_batches=1, micro_batches=micro_batches,
                           learning_rate=3e-3, kl_coef=0.05),
-        fusion=FusionConfig(inter=fused, intra=fused, solver="greedy", timeout_s=60.0),
+        fusion=FusionLoopConfig(inter=fused, intra=fused, solver="greedy", timeout_s=60.0),
         world_size=world, iterations=ITERATIONS, **kw)
 
 

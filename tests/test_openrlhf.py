@@ -1,6 +1,6 @@
 """OpenRLHF integration: flags, version guard, the Ray setup hook (asserted inside real local Ray
 workers) and the gae plugin against OpenRLHF's own method. Skipped without openrlhf and ray;
-vllm/flash_attn/deepspeed are stubbed (``integrations.openrlhf.testing``)."""
+vllm/flash_attn/deepspeed are stubbed (``rlhf_fusion.testing.openrlhf``)."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from rlhf_fusion.integrations.openrlhf import (  # noqa: E402
     FusionOptions,
     split_argv,
 )
-from rlhf_fusion.integrations.openrlhf.testing import (  # noqa: E402
+from rlhf_fusion.testing.openrlhf import (  # noqa: E402
     HOOK_WITH_STUBS,
     install_cpu_stubs,
     remove_cpu_stubs,
@@ -363,7 +363,7 @@ class _Probe:
         from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
         from openrlhf.trainer.ray import vllm_engine
 
-        from rlhf_fusion.integrations.openrlhf import plugins
+        from rlhf_fusion.integrations.openrlhf import plugin_state, plugins
         from rlhf_fusion.integrations.openrlhf.gae_plugin import fused_get_advantages_and_returns
         from rlhf_fusion.integrations.openrlhf.scoring import fusion_make_experience_batch
         from rlhf_fusion.integrations.openrlhf.streaming import (
@@ -376,7 +376,7 @@ class _Probe:
         m = torch.rand(3, 40, generator=g) > 0.2
         maker = RemoteExperienceMaker.__new__(RemoteExperienceMaker)
         got = maker.get_advantages_and_returns(v, r, m, 0.99, 0.95)
-        want = plugins._INSTALLED["gae"]["get_advantages_and_returns"](maker, v, r, m, 0.99, 0.95)
+        want = plugin_state.stock("gae", "get_advantages_and_returns")(maker, v, r, m, 0.99, 0.95)
         return {
             "pid": os.getpid(),
             "plugins": plugins.installed_plugins(),

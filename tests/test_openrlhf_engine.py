@@ -12,10 +12,10 @@ import pytest
 pytest.importorskip("openrlhf")
 pytest.importorskip("torch")
 
-from rlhf_fusion.integrations.openrlhf.testing import (  # noqa: E402
-    CharTokenizer,
+from rlhf_fusion.testing.openrlhf import (  # noqa: E402
     FakeAsyncLLM,
     SamplingParams,
+    StubTokenizer,
     install_cpu_stubs,
     remove_cpu_stubs,
 )
@@ -40,7 +40,7 @@ def _engine(tick_s=0.001, pad_ids=None):
             self._mm_pad_token_ids = pad_ids
 
     e = Engine()
-    e.fusion_set_tokenizer(CharTokenizer())
+    e.fusion_set_tokenizer(StubTokenizer())
     return e
 
 
@@ -83,7 +83,7 @@ def test_export_mid_stream_is_a_migration_ticket_and_resumes_to_the_unmoved_samp
         return ticket, moved, unmoved
 
     ticket, moved, unmoved = asyncio.run(scenario())
-    prompt_len = len(CharTokenizer()("a prompt")["input_ids"])
+    prompt_len = len(StubTokenizer()("a prompt")["input_ids"])
     assert unmoved["observation_tokens"][prompt_len:][:len(ticket["ids"])] == ticket["ids"]
     if temperature == 0.0:  # greedy: the moved sample is the unmoved one, token for token
         assert moved["observation_tokens"] == unmoved["observation_tokens"]
@@ -147,7 +147,7 @@ def test_media_tokens_are_deduplicated_as_stock_generate_does():
     async def scenario():
         engine = _engine(pad_ids={7})
         live = engine_mod._Live(key=0, prefix_ids=[], prefix_lps=None)
-        token = engine_mod._CURRENT.set((live, CharTokenizer()))
+        token = engine_mod._CURRENT.set((live, StubTokenizer()))
         try:
             await engine.generate([1, 7, 7, 7, 2, 7, 7, 3], _params(max_tokens=3),
                                   multi_modal_data={"image": ["img"]})

@@ -19,9 +19,9 @@ ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
 from rlhf_fusion.integrations.openrlhf import FusionOptions  # noqa: E402
-from rlhf_fusion.integrations.openrlhf.testing import (  # noqa: E402
+from rlhf_fusion.testing.openrlhf import (  # noqa: E402
     HOOK_WITH_STUBS,
-    CharTokenizer,
+    StubTokenizer,
     fake_model_actor_class,
     install_cpu_stubs,
     remove_cpu_stubs,
@@ -102,11 +102,11 @@ def _trainer(setup, args, engines=None, prompts=PROMPTS):
             strategy = SimpleNamespace(args=args)
             loader = [(None, prompts[i:i + 4], [f"l{i + j}" for j in range(4)], [None] * 4)
                       for i in range(0, len(prompts), 4)]
-            self.samples_generator = SamplesGenerator(strategy, loader, None, CharTokenizer(),
+            self.samples_generator = SamplesGenerator(strategy, loader, None, StubTokenizer(),
                                                       engines)
             g = setup.groups
             super().__init__(strategy, g["actor"], g["critic"], g["reward"], g["ref"],
-                             engines, CharTokenizer())
+                             engines, StubTokenizer())
 
     return Trainer()
 

@@ -13,9 +13,9 @@ ray = pytest.importorskip("ray")
 torch = pytest.importorskip("torch")
 
 from rlhf_fusion.integrations.openrlhf import FusionOptions  # noqa: E402
-from rlhf_fusion.integrations.openrlhf.testing import (  # noqa: E402
+from rlhf_fusion.testing.openrlhf import (  # noqa: E402
     HOOK_WITH_STUBS,
-    CharTokenizer,
+    StubTokenizer,
     install_cpu_stubs,
     remove_cpu_stubs,
 )
@@ -61,7 +61,7 @@ def _generator(engines):
         algo=SimpleNamespace(advantage=SimpleNamespace(is_correction_level="tis"),
                              dynamic_filtering_range=(0.0, 1.0)),
         vllm=SimpleNamespace(enable_sleep=False))
-    return SamplesGenerator(SimpleNamespace(args=args), None, None, CharTokenizer(), engines)
+    return SamplesGenerator(SimpleNamespace(args=args), None, None, StubTokenizer(), engines)
 
 
 def _run(gen, temperature):
@@ -119,7 +119,7 @@ def test_driver_cost_tokenizer_once_per_engine_waits_per_engine_prompts_stay_loc
     """The tokenizer goes to each engine once (not with every request); each ray.wait covers
     at most one poll and one submit per engine (not every pending sample); without migration
     all of a prompt's samples finish on the engine its prompt went to (prefix cache)."""
-    from rlhf_fusion.integrations.openrlhf.testing import CharTokenizer as Tok
+    from rlhf_fusion.testing.openrlhf import StubTokenizer as Tok
 
     widths = []
     real_wait = ray.wait

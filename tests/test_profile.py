@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import nn
 
-from rlhf_fusion.runtime.profile import SavedTensorMeter, problem_from_profiles
+from rlhf_fusion.runtime.fused import problem_from_profiles
+from rlhf_fusion.runtime.profile import SavedTensorMeter
 
 transformers = pytest.importorskip("transformers")
 

@@ -1,4 +1,4 @@
-"""Parameter reallocation between layouts (``runtime.reallocation``), executed on gloo ranks.
+"""Parameter reallocation between layouts (``runtime.realloc_execute``), executed on gloo ranks.
 
 The distributed test runs EVERY ordered pair of layouts (all legal meshes of 4 ranks, all
 (dp, tp, pp) on each with pp <= 4 layers) of a 4-layer model, on two clusters: one node of 4
@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from rlhf_fusion.placement import Cluster, Layout, enumerate_meshes, strategies_for
-from rlhf_fusion.runtime.reallocation import (
+from rlhf_fusion.runtime.realloc_execute import (
     assemble,
     column_rows,
     execute,

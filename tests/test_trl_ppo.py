@@ -331,3 +331,32 @@ def test_rt_auto_starts_at_a_quarter_then_follows_the_simulator():
     chosen = auto.rt(64)
     assert auto.planner.dist is not None and auto.planner.by_batch  # the rollout was seen
     assert 1 <= chosen <= 64 and chosen != 16 and auto.planner.history == [16, chosen]
+
+
+@needs_stock
+def test_masked_mean_and_whiten_trl_exact_are_trls_own():
+    from trl.experimental.ppo.ppo_trainer import masked_mean as trl_mean
+    from trl.experimental.ppo.ppo_trainer import masked_whiten as trl_whiten
+
+    from rlhf_fusion.runtime.masked import masked_mean, whiten
+
+    g = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float64):
+        v = torch.randn(4, 9, generator=g).to(dtype) * 3 + 1
+        m = torch.rand(4, 9, generator=g) > 0.3
+        assert torch.equal(masked_mean(v, m, trl_exact=True), trl_mean(v, m))
+        for shift in (True, False):
+            assert torch.equal(whiten(v, m, shift_mean=shift, trl_exact=True),
+                               trl_whiten(v, m, shift_mean=shift))
+        # The default keeps TRL's statistics and zeroes the masked positions.
+        w = whiten(v, m)
+        torch.testing.assert_close(w[m], trl_whiten(v, m)[m])
+        assert not w[~m].any()
+    # An empty mask: 0 by default, NaN as TRL's; whitening over it raises as TRL's does.
+    empty = torch.zeros(2, 3, dtype=torch.bool)
+    assert masked_mean(torch.ones(2, 3), empty).item() == 0.0
+    assert masked_mean(torch.ones(2, 3), empty, trl_exact=True).isnan()
+    with pytest.raises(ValueError):
+        trl_whiten(torch.ones(2, 3), empty)
+    with pytest.raises(ValueError, match="empty mask"):
+        whiten(torch.ones(2, 3), empty, trl_exact=True)

@@ -68,7 +68,7 @@ def model_dir(tmp_path_factory):
 
 def loop_config(model_dir, *, world: int, migrate: bool):
     from rlhf_fusion.loop import (
-        FusionConfig,
+        FusionLoopConfig,
         GenerationConfig,
         ModelsConfig,
         PPOLoopConfig,
@@ -84,7 +84,7 @@ def loop_config(model_dir, *, world: int, migrate: bool):
                           learning_rate=3e-3, kl_coef=0.05),
         # R_t at 14 of 16 samples: both ranks still have samples to move however unevenly
         # the two engines share the loaded CPU (a late trigger may find one rank done).
-        fusion=FusionConfig(inter=migrate, intra=False, rt=0.9, mechanism="tokens",
+        fusion=FusionLoopConfig(inter=migrate, intra=False, rt=0.9, mechanism="tokens",
                             solver="greedy", timeout_s=600.0),
         world_size=world, iterations=ITERATIONS)
 

@@ -8,7 +8,7 @@ the run's ``LoopPlacement`` (every call on every rank unless a preset or a plan 
 """
 
 from .config import (
-    FusionConfig,
+    FusionLoopConfig,
     GenerationConfig,
     LoopConfigError,
     ModelsConfig,
@@ -23,7 +23,7 @@ from .run import load_prompts, train
 
 __all__ = [
     "CharTokenizer",
-    "FusionConfig",
+    "FusionLoopConfig",
     "GenerationConfig",
     "IterationResult",
     "LoopConfigError",

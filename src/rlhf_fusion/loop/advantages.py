@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ..rollout.inference import Experience
+from ..runtime.masked import whiten
 from ..runtime.ppo import kl_estimate, kl_penalized_rewards
 from ..triton_kernels import gae
 
@@ -53,18 +54,6 @@ def token_rewards(rb: ResponseBatch, *, kl_coef: float, kl_mode: str, estimator:
     coef = kl_coef if kl_mode == "reward" else 0.0
     return kl_penalized_rewards(rb.scores, rb.logprobs, rb.ref_logprobs, rb.mask, coef,
                                 estimator)  # type: ignore[arg-type]
-
-
-def whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True) -> Tensor:
-    """Normalise the masked entries to mean 0 and unit variance (TRL's ``masked_whiten``:
-    unbiased variance, ``1e-8`` in the root)."""
-    m = mask.to(values.dtype)
-    n = m.sum()
-    mean = (values * m).sum() / n
-    var = ((values - mean).square() * m).sum() / n
-    var = var * n / (n - 1) if n > 1 else var
-    out = (values - mean) * torch.rsqrt(var + 1e-8)
-    return (out if shift_mean else out + mean) * m
 
 
 def advantages_and_returns(rb: ResponseBatch, rewards: Tensor, *, gamma: float, lam: float,

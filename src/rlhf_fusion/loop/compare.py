@@ -21,13 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-# Stage seconds per iteration (wall, the slowest rank), in the order an iteration runs them.
-STAGES = (("time/weight_sync", "weight sync"), ("time/rollout", "generation + inference"),
-          ("time/advantages", "advantages"), ("time/training", "training"))
-# Rank-seconds summed over the ranks: what the ranks did with the time.
-ACCOUNTS = (("time/decode", "decode steps"), ("time/scoring", "scoring calls"),
-            ("time/rollout_idle", "rollout: waiting"), ("time/train_compute", "pipeline F/B"),
-            ("time/train_idle", "training: bubbles, transfers, optimizer"))
+from .plot import ACCOUNTS, STAGES
 
 
 class CompareError(RuntimeError):

@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..rollout.backend_registry import backend_names
 from .errors import LoopConfigError
 from .placement import offload_names, placement_of
 
 MECHANISMS = ("kv", "tokens", "auto")
-BACKENDS = ("reference", "vllm")
 
 
 ModelSource = str | Mapping[str, Any]
@@ -47,7 +47,8 @@ class GenerationConfig:
 
     ``backend``: ``"reference"`` (our transformers backend, any device) or ``"vllm"`` (an
     ``AsyncLLMEngine`` per rank built from ``models.actor``, a Hub id or directory, with
-    ``vllm_engine_kwargs`` passed through; migration by the tokens mechanism).
+    ``vllm_engine_kwargs`` passed through; migration by the tokens mechanism), or any name
+    registered in :mod:`rlhf_fusion.rollout.backend_registry`.
     """
 
     prompts_per_iteration: int = 32
@@ -85,8 +86,10 @@ class PPOLoopConfig:
 
 
 @dataclass
-class FusionConfig:
-    """The plugins. Both ``inter`` and ``intra`` off is the serial baseline (RLHFuse-Base).
+class FusionLoopConfig:
+    """The plugins of the loop (a run config's ``fusion:``; the TRL trainers have their own,
+    :class:`rlhf_fusion.integrations.trl.FusionConfig`). Both ``inter`` and ``intra`` off is the
+    serial baseline (RLHFuse-Base).
 
     ``rt``: ``"auto"`` (chosen by simulation from the response lengths seen so far, refined
     every iteration), a fraction of the batch in (0, 1), or a sample count >= 1.
@@ -105,7 +108,7 @@ class FusionConfig:
     timeout_s: float = 120.0
 
     @classmethod
-    def off(cls) -> FusionConfig:
+    def off(cls) -> FusionLoopConfig:
         return cls(inter=False, intra=False)
 
 
@@ -146,7 +149,7 @@ class RLHFConfig:
     models: ModelsConfig = field(default_factory=ModelsConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     ppo: PPOLoopConfig = field(default_factory=PPOLoopConfig)
-    fusion: FusionConfig = field(default_factory=FusionConfig)
+    fusion: FusionLoopConfig = field(default_factory=FusionLoopConfig)
     placement: PlacementSection = field(default_factory=PlacementSection)
     world_size: int = 2
     iterations: int = 10
@@ -156,7 +159,7 @@ class RLHFConfig:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> RLHFConfig:
         sections = {"models": ModelsConfig, "generation": GenerationConfig,
-                    "ppo": PPOLoopConfig, "fusion": FusionConfig,
+                    "ppo": PPOLoopConfig, "fusion": FusionLoopConfig,
                     "placement": PlacementSection}
         if not isinstance(data, Mapping):
             raise LoopConfigError(f"config: expected a mapping of sections, got "
@@ -313,7 +316,7 @@ class RLHFConfig:
         _integer("generation.bs_max", g.bs_max, 1)
         if g.kv_capacity_tokens is not None:
             _integer("generation.kv_capacity_tokens", g.kv_capacity_tokens, 1, unset=True)
-        _choice("generation.backend", g.backend, BACKENDS)
+        _choice("generation.backend", g.backend, backend_names())
         if g.vllm_engine_kwargs is not None and not isinstance(g.vllm_engine_kwargs, Mapping):
             raise LoopConfigError(
                 f"generation.vllm_engine_kwargs: {g.vllm_engine_kwargs!r}; give a mapping of "

@@ -17,7 +17,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from .config import FusionConfig, GenerationConfig, ModelsConfig, PPOLoopConfig, RLHFConfig
+from .config import FusionLoopConfig, GenerationConfig, ModelsConfig, PPOLoopConfig, RLHFConfig
 
 
 def demo_prompts() -> list[str]:
@@ -38,7 +38,7 @@ def demo_config(*, iterations: int = 24, serial: bool = False, world_size: int =
         # demo's gain comes from (docs/loop.md, "What the demo's gain comes from").
         ppo=PPOLoopConfig(num_ppo_epochs=4, num_mini_batches=1, micro_batches=2,
                           learning_rate=1e-3, kl_coef=0.02, gamma=1.0, lam=0.95),
-        fusion=FusionConfig.off() if serial else FusionConfig(rt="auto", mechanism="kv"),
+        fusion=FusionLoopConfig.off() if serial else FusionLoopConfig(rt="auto", mechanism="kv"),
         world_size=world_size,
         iterations=iterations,
     )

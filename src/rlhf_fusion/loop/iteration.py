@@ -12,7 +12,7 @@ created once, in one order, at construction.
 1. **Weight sync**: the trained Actor reaches the generation copies, the trained Critic the
    Critic-inference copies. From the fused pipeline each stage is broadcast from its owner
    (:mod:`.reallocate`); from data-parallel training by
-   :func:`rlhf_fusion.runtime.reallocation.execute`: a rank that trains the model keeps its
+   :func:`rlhf_fusion.runtime.realloc_execute.execute`: a rank that trains the model keeps its
    own weights, every other destination receives each byte once, from the least-loaded
    training rank (ReaLHF's reallocation; under ``disaggregated`` these are the shadow models).
 2. **Generation + inference** on the generation ranks (their own process group when not every
@@ -47,9 +47,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from ..launch import note_stage
+from ..rollout.backend_registry import BackendRequest, make_backend
 from ..rollout.inference import Experience, InferenceModels, merge_parts
 from ..rollout.local import LocalFusedRollout
-from ..rollout.reference import ReferenceBackend
+from ..rollout.rt_control import RtPlanner, TimedBackend, timed_scoring
 from ..rollout.types import SampleSpec
 from ..runtime.engine import clip_grad_norm_
 from ..runtime.fused import (
@@ -62,6 +63,15 @@ from ..runtime.fused import (
 from ..runtime.microbatch import split_micro_batches
 from ..runtime.offload import HostOffload, OffloadSet
 from ..runtime.ppo import PPOConfig
+from ..runtime.weight_sync import (
+    broadcast_parameters,
+    full_state,
+    minimum_bytes,
+    ownership,
+    shapes_of,
+    stage_parameters,
+    tied_aliases,
+)
 from ..schedule.problem import fused_problem
 from . import advantages as adv
 from .call_queues import CallQueues, NoGeneration, Publishing
@@ -78,16 +88,6 @@ from .placement import (
     check_micro_batches,
     placement_of,
 )
-from .reallocate import (
-    broadcast_parameters,
-    full_state,
-    minimum_bytes,
-    ownership,
-    shapes_of,
-    stage_parameters,
-    tied_aliases,
-)
-from .rt import RtPlanner, TimedBackend, timed_scoring
 
 
 class LoopStageError(RuntimeError):
@@ -189,7 +189,7 @@ class PPOWorker:
         the originals. A rank keeps only the frozen models it serves."""
         m, pad = self.models, self.tokenizer.pad_token_id
         if not self.placement.fused_training and self.distributed:
-            from ..runtime.reallocation import param_table
+            from ..runtime.realloc_execute import param_table
 
             # What the weight sync moves, known on every rank (before unplaced models go).
             self._tables = {role: param_table(getattr(m, role), role) for role in ROLES}
@@ -280,18 +280,11 @@ class PPOWorker:
     # -- pieces ----------------------------------------------------------------------------------
     def _generation_backend(self) -> Any:
         g = self.cfg.generation
-        if g.backend == "vllm":
-            from ..rollout.vllm_backend import VLLMBackend
-
-            # Sleep mode where the platform has it: VLLMBackend decides (not on CPU).
-            kwargs = {"seed": g.seed, "max_num_seqs": g.bs_max,
-                      # PPO's old logprobs are under the sampling temperature.
-                      "logprobs_mode": "processed_logprobs", **(g.vllm_engine_kwargs or {})}
-            return VLLMBackend(model=str(self.cfg.models.actor), engine_kwargs=kwargs,
-                               instance_id=self.rank, max_batch_size=g.bs_max)
-        return ReferenceBackend(
-            copy.deepcopy(self.models.actor), instance_id=self.rank, max_batch_size=g.bs_max,
-            kv_capacity_tokens=g.kv_capacity_tokens, device=self.device)
+        return make_backend(g.backend, BackendRequest(
+            copy_model=lambda: copy.deepcopy(self.models.actor), instance_id=self.rank,
+            max_batch_size=g.bs_max, seed=g.seed, checkpoint=str(self.cfg.models.actor),
+            device=self.device, kv_capacity_tokens=g.kv_capacity_tokens,
+            engine_kwargs=g.vllm_engine_kwargs))
 
     def _reward(self) -> Any:
         r = self.models.reward
@@ -346,7 +339,7 @@ class PPOWorker:
     def _sync_from_data_parallel(self) -> dict[str, float]:
         """Whole copies on both sides: every piece comes from the least-loaded holder."""
         from ..placement import Cluster, Layout, ParallelStrategy, mesh_from_ranks
-        from ..runtime.reallocation import execute
+        from ..runtime.realloc_execute import execute
 
         cluster = Cluster.uniform(1, self.world)
 

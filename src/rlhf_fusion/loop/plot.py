@@ -16,6 +16,14 @@ PIPELINE_COLORS = {("actor", "F"): "#98df8a", ("actor", "B"): "#2ca02c",
 PIPELINE_LABELS = {("actor", "F"): "Actor forward", ("actor", "B"): "Actor backward",
                    ("critic", "F"): "Critic forward", ("critic", "B"): "Critic backward"}
 IDLE = "#eeeeee"
+# The breakdown (``compare_png``, ``demo --compare``):
+# Stage seconds per iteration (wall, the slowest rank), in the order an iteration runs them.
+STAGES = (("time/weight_sync", "weight sync"), ("time/rollout", "generation + inference"),
+          ("time/advantages", "advantages"), ("time/training", "training"))
+# Rank-seconds summed over the ranks: what the ranks did with the time.
+ACCOUNTS = (("time/decode", "decode steps"), ("time/scoring", "scoring calls"),
+            ("time/rollout_idle", "rollout: waiting"), ("time/train_compute", "pipeline F/B"),
+            ("time/train_idle", "training: bubbles, transfers, optimizer"))
 
 
 def segments(tl: dict[str, Any], rank: int) -> list[tuple[str, float, float]]:
@@ -112,8 +120,6 @@ def compare_png(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from .compare import ACCOUNTS, STAGES
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
     labels = []

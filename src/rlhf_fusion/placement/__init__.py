@@ -34,7 +34,7 @@ from .presets import (
 )
 from .problem import Fusion, PlacementProblem, load_config
 from .profile import Profile, load_profile
-from .realloc import Layout, ReallocPlan, Transfer, plan_realloc
+from .realloc_plan import Layout, ReallocPlan, Transfer, plan_realloc
 from .search import SearchResult, candidates, count_plans, enumerate_best, search
 from .strategy import ParallelStrategy, check_strategy, strategies_for
 from .timeline import Timeline, TNode, simulate

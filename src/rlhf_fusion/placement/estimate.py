@@ -20,7 +20,7 @@ from .graph import CALL_KIND, CALL_MODEL, CALLS, DATA_EDGES, PARAM_EDGES, TRAIN_
 from .hooks import fused_train_ratio, rollout_time
 from .plan import CallPlacement, ExecutionPlan
 from .problem import PlacementProblem
-from .realloc import Layout, plan_realloc
+from .realloc_plan import Layout, plan_realloc
 from .timeline import Timeline, TNode, simulate
 
 STREAM_CHUNKS = 8   # data between meshes is streamed per micro-batch: only the last chunk waits

@@ -41,9 +41,6 @@ class DeviceMesh:
     def whole_nodes(self) -> bool:
         return self.n_gpus == self.gpus_per_node
 
-    def overlaps(self, other: DeviceMesh) -> bool:
-        return not self.rank_set.isdisjoint(other.rank_set)
-
     def contains(self, other: DeviceMesh) -> bool:
         return other.rank_set <= self.rank_set
 

@@ -36,7 +36,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
-from typing_extensions import Unpack
+from typing_extensions import Unpack, override
 
 from ..runtime.checkpoint import (
     aliases,
@@ -165,11 +165,13 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
         return world // self._resolved_stage_groups() > 1
 
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         # Checkpoints are loaded into the partitioned module, so setup() must run first.
         return True
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Data-parallel coordinates: every rank of a pipeline replica reads the same data."""
         n = self._resolved_stage_groups()
@@ -192,6 +194,7 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
         """This rank's stages, runners and engine (between ``setup`` and ``teardown``)."""
         return self._fused
 
+    @override
     def _configure_launcher(self) -> None:
         self._launcher = FusedPipelineLauncher(
             self,
@@ -282,6 +285,7 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
         )
 
     # -- setup / teardown --------------------------------------------------------------------------
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
@@ -359,6 +363,7 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
             f"{schedule.baselines.get('serial_1f1b', {}).get('makespan', float('nan')):.4g})"
         )
 
+    @override
     def on_train_end(self) -> None:
         # Collective, and only reached when the fit completed on every rank: gather the
         # trained weights now, while the partition exists (teardown comes before the launcher
@@ -381,6 +386,7 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
         out, self._trained = self._trained, None
         return out
 
+    @override
     def teardown(self) -> None:
         """Undo :meth:`setup`: close the engine and its process groups, drop the stages,
         runners, plan and layout state, and reset gradient accumulation."""
@@ -392,6 +398,7 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
         super().teardown()
 
     # -- the training step -------------------------------------------------------------------------
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
         fused = self._fused
@@ -420,6 +427,7 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
         log_ppo_stats(module, stats, norms, batch_size=int(batch["input_ids"].shape[0]))
         return torch.tensor(sum(st["loss"] for st in stats.values()))
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         if self._fused is not None:
             raise MisconfigurationException(
@@ -473,6 +481,7 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
             raise RuntimeError(f"gathered state dict misses {missing[:5]} (of {len(missing)})")
         return {k: merged[k] for k in self._full_state_keys}
 
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         if self._fused is None:
             return super().lightning_module_state_dict()
@@ -487,6 +496,7 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
                 return ROLES[i]
         raise ValueError("optimizer is not one of the strategy's optimizers")
 
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if self._fused is None:
             return super().optimizer_state(optimizer)
@@ -504,6 +514,7 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
             return {}
         return merge_named_states(parts, self._full_param_names)
 
+    @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
@@ -532,6 +543,7 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
         if self.is_global_zero:
             save_meta(path, checkpoint, {m.name: m.pipeline_stages for m in fused.problem.models})
 
+    @override
     def load_checkpoint(
         self, checkpoint_path: Any, weights_only: bool | None = None
     ) -> dict[str, Any]:
@@ -541,6 +553,7 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
         stages = self._fused.stages if self._fused is not None else {}
         return load_shards(path, {role: (st.stage, st.num_stages) for role, st in stages.items()})
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         module = self.lightning_module
         assert module is not None
@@ -553,6 +566,7 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
             )
         module.load_state_dict({k: saved[k] for k in local if k in saved}, strict=strict)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         module = self.lightning_module
         assert module is not None
@@ -562,6 +576,7 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
             inner.load_state_dict(local_optimizer_state(inner, saved, names, self._aliases))
             _optimizers_to_device([inner], self.root_device)
 
+    @override
     def remove_checkpoint(self, filepath: Any) -> None:
         if self.is_global_zero:
             if Path(filepath).is_dir():
@@ -571,6 +586,7 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
 
     # -- registry ----------------------------------------------------------------------------------
     @classmethod
+    @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         strategy_registry.register(
             "fused_pipeline",

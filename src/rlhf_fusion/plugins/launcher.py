@@ -25,6 +25,7 @@ from lightning.pytorch.strategies.launchers.multiprocessing import (
 )
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
+from typing_extensions import override
 
 if TYPE_CHECKING:
     from .fused_pipeline import FusedPipelineStrategy
@@ -57,6 +58,7 @@ class FusedPipelineLauncher(_MultiProcessingLauncher):
         self._preflight = preflight
         self._trained_weights = trained_weights
 
+    @override
     def launch(
         self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any
     ) -> Any:
@@ -66,6 +68,7 @@ class FusedPipelineLauncher(_MultiProcessingLauncher):
             self._preflight(module)
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
+    @override
     def _wrapping_function(self, process_idx: int, *args: Any, **kwargs: Any) -> None:
         # A worker that dies in C++ (an abort in a communication thread) otherwise leaves only
         # "terminate called ..." behind; this prints every thread's Python stack first.
@@ -77,6 +80,7 @@ class FusedPipelineLauncher(_MultiProcessingLauncher):
         finally:
             _shutdown_process_group(self._timeout, wait_for_peers=ok)
 
+    @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         checkpoint_callback = trainer.checkpoint_callback
         best_model_path = getattr(checkpoint_callback, "best_model_path", None)

@@ -52,7 +52,6 @@ class InferenceModels:
                        if critic is not None else None)
         self.micro_batch = micro_batch
         self.pad_id = pad_id
-        self.samples_scored = 0
 
     def score(self, samples: Sequence[SampleResult]) -> list[Experience]:
         """Experience for ``samples`` (any number; run in micro-batches), in the given order."""
@@ -69,7 +68,6 @@ class InferenceModels:
         out: list[dict[str, object]] = []
         for i in range(0, len(samples), self.micro_batch):
             out.extend(self._score_batch(samples[i: i + self.micro_batch]))
-        self.samples_scored += len(samples)
         return out
 
     def _score_batch(self, samples: Sequence[SampleResult]) -> list[dict[str, object]]:

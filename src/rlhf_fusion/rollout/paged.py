@@ -102,10 +102,6 @@ class PagedKVPool:
                 return i - need + 1
         return None
 
-    @property
-    def capacity_tokens(self) -> int | None:
-        return None if self.max_blocks is None else self.max_blocks * self.block_size
-
     def blocks_for(self, tokens: int) -> int:
         return math.ceil(tokens / self.block_size)
 

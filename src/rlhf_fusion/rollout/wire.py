@@ -12,10 +12,9 @@ from collections.abc import Sequence
 import torch
 
 from .paged import KVHandle
-from .types import MIGRATION_MODES, MigrationTicket, SampleResult, SampleSpec
+from .types import MIGRATION_MODES, MigrationTicket, SampleSpec
 
 HEADER_LEN = 4
-_FINISH = ("length", "stop")
 
 
 def header(kind: int, n_items: int, ints: torch.Tensor | None, floats: torch.Tensor | None
@@ -68,33 +67,4 @@ def unpack_tickets(n: int, ints: torch.Tensor, floats: torch.Tensor,
         out.append(MigrationTicket(spec=spec, mode=MIGRATION_MODES[mode], source=source))
     if i != len(iv) or f != floats.numel():
         raise ValueError("malformed ticket message: payload lengths do not match the header")
-    return out
-
-
-def pack_results(results: Sequence[SampleResult]) -> tuple[torch.Tensor, torch.Tensor]:
-    ints: list[int] = []
-    floats: list[float] = []
-    for r in results:
-        ints += [r.sample_id, len(r.prompt_ids), len(r.token_ids), _FINISH.index(r.finish_reason),
-                 r.instance, int(r.migrated), *r.prompt_ids, *r.token_ids]
-        floats += r.logprobs
-    return torch.tensor(ints, dtype=torch.int64), torch.tensor(floats, dtype=torch.float64)
-
-
-def unpack_results(n: int, ints: torch.Tensor, floats: torch.Tensor) -> list[SampleResult]:
-    iv = ints.tolist()
-    fv = floats.tolist()
-    i = f = 0
-    out = []
-    for _ in range(n):
-        sid, p, g, reason, inst, migrated = iv[i: i + 6]
-        i += 6
-        out.append(SampleResult(sample_id=sid, prompt_ids=tuple(iv[i: i + p]),
-                                token_ids=tuple(iv[i + p: i + p + g]),
-                                logprobs=tuple(fv[f: f + g]), finish_reason=_FINISH[reason],
-                                instance=inst, migrated=bool(migrated)))
-        i += p + g
-        f += g
-    if i != len(iv) or f != len(fv):
-        raise ValueError("malformed result message: payload lengths do not match the header")
     return out

@@ -31,6 +31,7 @@ from .fused import (
     partition_rank,
     pipelined_step,
     plan_from,
+    problem_from_profiles,
     reference_step,
     setup_rank,
     solve_or_greedy,
@@ -50,8 +51,8 @@ from .ppo import (
     value_loss,
     values_from_head,
 )
-from .profile import SavedTensorMeter, StageProfile, problem_from_profiles, profile_runner
-from .reallocation import ParamTable, ReallocResult, local_shard, param_table
+from .profile import SavedTensorMeter, StageProfile, profile_runner
+from .realloc_execute import ParamTable, ReallocResult, local_shard, param_table
 
 __all__ = [
     "ROLES",

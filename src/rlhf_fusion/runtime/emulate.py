@@ -59,7 +59,7 @@ from ..placement.estimate import STREAM_CHUNKS, Estimate, Estimator
 from ..placement.graph import TRAIN_CALL
 from ..placement.hardware import A100_80G, Hardware
 from ..placement.plan import ExecutionPlan
-from ..placement.realloc import Layout, plan_realloc
+from ..placement.realloc_plan import Layout, plan_realloc
 from ..placement.timeline import Timeline
 
 

@@ -31,13 +31,14 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..schedule import Problem, Schedule, solve
-from ..schedule.problem import fused_problem  # noqa: F401 - where users import it from
+from ..schedule.problem import fused_problem
 from .comm import PipelineComm
 from .engine import PipelineEngine, TrainStageRunner, clip_grad_norm_, scale_loss
 from .errors import PlanError
 from .partition import ROLES, PipelineStage, num_layers, partition_, split_layers
 from .plan import PipelinePlan
 from .ppo import PPOConfig, actor_ppo_loss, critic_ppo_loss
+from .profile import MIB, profile_runner
 
 log = logging.getLogger(__name__)
 
@@ -186,8 +187,6 @@ class FusedRank:
         device: torch.device | str,
         sizes: Mapping[str, float] | None,
     ) -> Schedule:
-        from .profile import problem_from_profiles, profile_runner
-
         prof = {
             name: (
                 self.stages[name].stage,
@@ -275,6 +274,70 @@ def solve_or_greedy(problem: Problem, solver: str, time_limit: float) -> Schedul
     except ImportError:
         log.info("solver %r unavailable; using greedy", solver)
         return solve(problem, "greedy", time_limit=time_limit)
+
+
+def problem_from_profiles(
+    profiles: Sequence[Mapping[str, Sequence[float]]],
+    *,
+    stage_groups: int,
+    micro_batches: int,
+    actor_stages: int,
+    critic_stages: int,
+    activation: Mapping[str, Sequence[float]] | None = None,
+    sizes: Mapping[str, float] | None = None,
+) -> Problem:
+    """The fused problem with measured per-stage times in milliseconds and activation memory
+    in MiB.
+
+    ``profiles`` holds, per rank, ``{model: (stage, forward_s, backward_s[, activation_bytes])}``
+    (``(stage, *profile_runner(...))``); a stage held by several ranks (copies, replicas) takes
+    the largest measurement. ``activation`` overrides the measured memory (any unit, the same
+    for both models); without either, every stage gets 1.0 (the planner then counts
+    micro-batches in flight).
+    """
+    times: dict[str, dict[int, list[float]]] = {"actor": {}, "critic": {}}
+    measured = True
+    for prof in profiles:
+        for model, (stage, f, b, *rest) in prof.items():
+            act = float(rest[0]) if rest else 0.0
+            measured &= bool(rest)
+            cur = times[model].get(stage)
+            times[model][stage] = (
+                [max(cur[0], f), max(cur[1], b), max(cur[2], act)] if cur else [f, b, act]
+            )
+
+    def per_stage(model: str, stages: int, k: int, scale: float) -> list[float]:
+        missing = [s for s in range(stages) if s not in times[model]]
+        if missing:
+            raise RuntimeError(f"profiling: no measurement for {model} stages {missing}")
+        # Three decimals (us, KiB), floored at 0.001 so a trivially cheap stage still counts.
+        return [max(round(times[model][s][k] * scale, 3), 0.001) for s in range(stages)]
+
+    stages = {"actor": actor_stages, "critic": critic_stages}
+    if activation is not None:
+        act = {m: list(activation[m]) for m in stages}
+    elif measured:
+        act = {m: per_stage(m, s, 2, 1.0 / MIB) for m, s in stages.items()}
+    else:
+        act = {m: [1.0] * s for m, s in stages.items()}
+    return fused_problem(
+        stage_groups=stage_groups,
+        micro_batches=micro_batches,
+        actor_stages=actor_stages,
+        critic_stages=critic_stages,
+        actor_times=(
+            per_stage("actor", actor_stages, 0, 1e3),
+            per_stage("actor", actor_stages, 1, 1e3),
+        ),
+        critic_times=(
+            per_stage("critic", critic_stages, 0, 1e3),
+            per_stage("critic", critic_stages, 1, 1e3),
+        ),
+        actor_activation=act["actor"],
+        critic_activation=act["critic"],
+        actor_size=(sizes or {}).get("actor"),
+        critic_size=(sizes or {}).get("critic"),
+    )
 
 
 def default_loss_fns(cfg: PPOConfig) -> dict[str, Any]:

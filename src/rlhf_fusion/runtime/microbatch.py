@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
 from torch import Tensor
 
 MicroBatch = dict[str, Tensor]
@@ -68,7 +67,3 @@ def split_micro_batches(
             mb["position_ids"] = position_ids_from_mask(mb["attention_mask"])
         out.append(mb)
     return out
-
-
-def to_device(mb: Mapping[str, Tensor], device: torch.device | str) -> MicroBatch:
-    return {k: v.to(device, non_blocking=True) for k, v in mb.items()}

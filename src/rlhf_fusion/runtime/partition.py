@@ -359,27 +359,3 @@ def partition_(
         head_attr=lay.head_attr,
         tied=tied,
     )
-
-
-def stage_param_count(model: nn.Module, role: str, num_stages: int, layers=None) -> list[int]:  # noqa: ANN001
-    """Parameters per stage of an unpartitioned model (for balancing and reporting)."""
-    lay = _layout(model, role)
-    base = getattr(model, lay.base_attr)
-    ranges = split_layers(len(_layers(base, lay.family)), num_stages, layers)
-    blocks = _layers(base, lay.family)
-
-    def count(m: nn.Module) -> int:
-        return sum(p.numel() for p in m.parameters())
-
-    out = [sum(count(blocks[i]) for i in r) for r in ranges]
-    if lay.family == "llama":
-        out[0] += count(base.embed_tokens)
-        out[-1] += count(base.norm)
-    else:
-        out[0] += count(base.wte) + count(base.wpe)
-        out[-1] += count(base.ln_f)
-    head = getattr(model, lay.head_attr)
-    emb = base.embed_tokens if lay.family == "llama" else base.wte
-    if not (head.weight is emb.weight and num_stages == 1):
-        out[-1] += count(head)
-    return out

@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from .masked import masked_mean
+
 KLMode = Literal["reward", "loss"]
 KLEstimator = Literal["k1", "k2", "k3"]
 
@@ -57,11 +59,6 @@ class PPOConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
-
-
-def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    mask = mask.to(values.dtype)
-    return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def logprobs_from_logits(logits: Tensor, input_ids: Tensor) -> Tensor:

@@ -1,5 +1,5 @@
-"""A short profiling pass on the real stages, feeding measured times and activation memory to
-the planner."""
+"""A short profiling pass on the real stages: measured times and activation memory for the
+planner (:func:`rlhf_fusion.runtime.fused.problem_from_profiles` turns them into a problem)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ..schedule import Problem, fused_problem
 from .engine import TrainStageRunner
 
 MIB = float(1 << 20)
@@ -145,67 +144,3 @@ def profile_runner(
         p.grad = None
     runner.begin_step(1.0)
     return StageProfile(statistics.fmean(best_f), statistics.fmean(best_b), act_bytes)
-
-
-def problem_from_profiles(
-    profiles: Sequence[Mapping[str, Sequence[float]]],
-    *,
-    stage_groups: int,
-    micro_batches: int,
-    actor_stages: int,
-    critic_stages: int,
-    activation: Mapping[str, Sequence[float]] | None = None,
-    sizes: Mapping[str, float] | None = None,
-) -> Problem:
-    """The fused problem with measured per-stage times in milliseconds and activation memory
-    in MiB.
-
-    ``profiles`` holds, per rank, ``{model: (stage, forward_s, backward_s[, activation_bytes])}``
-    (``(stage, *profile_runner(...))``); a stage held by several ranks (copies, replicas) takes
-    the largest measurement. ``activation`` overrides the measured memory (any unit, the same
-    for both models); without either, every stage gets 1.0 (the planner then counts
-    micro-batches in flight).
-    """
-    times: dict[str, dict[int, list[float]]] = {"actor": {}, "critic": {}}
-    measured = True
-    for prof in profiles:
-        for model, (stage, f, b, *rest) in prof.items():
-            act = float(rest[0]) if rest else 0.0
-            measured &= bool(rest)
-            cur = times[model].get(stage)
-            times[model][stage] = (
-                [max(cur[0], f), max(cur[1], b), max(cur[2], act)] if cur else [f, b, act]
-            )
-
-    def per_stage(model: str, stages: int, k: int, scale: float) -> list[float]:
-        missing = [s for s in range(stages) if s not in times[model]]
-        if missing:
-            raise RuntimeError(f"profiling: no measurement for {model} stages {missing}")
-        # Three decimals (us, KiB), floored at 0.001 so a trivially cheap stage still counts.
-        return [max(round(times[model][s][k] * scale, 3), 0.001) for s in range(stages)]
-
-    stages = {"actor": actor_stages, "critic": critic_stages}
-    if activation is not None:
-        act = {m: list(activation[m]) for m in stages}
-    elif measured:
-        act = {m: per_stage(m, s, 2, 1.0 / MIB) for m, s in stages.items()}
-    else:
-        act = {m: [1.0] * s for m, s in stages.items()}
-    return fused_problem(
-        stage_groups=stage_groups,
-        micro_batches=micro_batches,
-        actor_stages=actor_stages,
-        critic_stages=critic_stages,
-        actor_times=(
-            per_stage("actor", actor_stages, 0, 1e3),
-            per_stage("actor", actor_stages, 1, 1e3),
-        ),
-        critic_times=(
-            per_stage("critic", critic_stages, 0, 1e3),
-            per_stage("critic", critic_stages, 1, 1e3),
-        ),
-        actor_activation=act["actor"],
-        critic_activation=act["critic"],
-        actor_size=(sizes or {}).get("actor"),
-        critic_size=(sizes or {}).get("critic"),
-    )

@@ -235,8 +235,8 @@ def solve_cpsat(
     for name, value in (params or {}).items():
         setattr(solver.parameters, name, value)
     # Not repair_hint: with OR-Tools 9.15 it aborts the whole process on some of these models
-    # ("Check failed: heuristics.fixed_search != nullptr", google/or-tools#5025), even though
-    # it took table3-01 from 1.0096x to 1.0032x the serial peak in 3 s.
+    # ("Check failed: heuristics.fixed_search != nullptr", google/or-tools#5025), although it
+    # helps where it runs (docs/planner.md).
     unit = scale if minimize == "makespan" else mem_scale
     if minimize == "cumulative_peak":
         unit = mem_scale * (cp.num_groups + 1)

@@ -229,7 +229,3 @@ def _deadlock_message(problem: Problem, cp: CompiledProblem, order: IdOrder) -> 
         f"{describe(problem, blocker)} on group {problem.group_of(blocker)}, itself blocked "
         f"({len(stuck)} groups stuck)"
     )
-
-
-def evaluate(problem: Problem, order: Order) -> Evaluation:
-    return validate(problem, order)

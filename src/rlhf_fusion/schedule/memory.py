@@ -174,9 +174,8 @@ class _BudgetSearch:
     probe: int = 0  # targets since the last (re)start
     undecided: bool = False  # did a target fail without a proof since the last (re)start?
     # A target that went undecided is tried once more, with another seed and the next kind
-    # first, before it counts as failed: runs that work finish in 5-7 s or not at all
-    # (table3-06 at 1.41x: 3 of 4 seeds), and where one split times out the other may not
-    # (table3-00 at 1.2x).
+    # first, before it counts as failed: runs that work finish quickly or not at all, and
+    # where one split times out the other may not (docs/planner.md).
     retry: float | None = None
 
     def __post_init__(self) -> None:

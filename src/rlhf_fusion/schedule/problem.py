@@ -277,14 +277,6 @@ class Problem:
             return task._replace(op="F")
         return task._replace(stage=task.stage + 1)
 
-    def successor(self, task: Task) -> Task | None:
-        m = self.models[task.model]
-        if task.op == "F":
-            if task.stage == m.pipeline_stages - 1:
-                return task._replace(op="B")
-            return task._replace(stage=task.stage + 1)
-        return None if task.stage == 0 else task._replace(stage=task.stage - 1)
-
     def larger_than(self, a: int, b: int) -> bool:
         """Whether model ``a`` counts as larger than model ``b`` (explicit size, else compute)."""
         ma, mb = self.models[a], self.models[b]

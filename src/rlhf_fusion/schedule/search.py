@@ -97,28 +97,27 @@ def search(
         # soon as it finds a schedule.
         t_phase = time.perf_counter()
         phase1 = remaining() * (p.makespan_share if memory_pass else 1.0)
-        # 1) Is the lower bound reachable? CP-SAT's time to decide this is heavy-tailed (the
-        # same model takes 6 s with one seed and times out with another), so it restarts with
-        # another seed rather than spending the whole share on one run. With the memory pass
-        # on, the first attempt runs under a release staircase worth bound_budget x the serial
-        # peak (``staircase.py``): its precedences prune the search, so on Table 3 it finds the
-        # bound on all 12 settings (0.5-18 s; 09, 4,096 tasks, 15-22 s over three seeds) and
-        # hands the memory pass a schedule near 1.45x instead of 2-5x, from which staircases
-        # step down. The attempts after it alternate unconstrained runs (for problems where
-        # the limits exclude every schedule at the bound) and fixed in-flight limits.
+        # 1) Is the lower bound reachable? CP-SAT's time to decide this is heavy-tailed (one
+        # seed decides a model quickly, another not at all), so it restarts with another seed
+        # rather than spending the whole share on one run. With the memory pass on, the first
+        # attempt runs under a release staircase worth bound_budget x the serial peak
+        # (``staircase.py``): its precedences prune the search, and the schedule it finds is
+        # already within that budget, from which staircases step down. The attempts after it
+        # alternate unconstrained runs (for problems where the limits exclude every schedule
+        # at the bound) and fixed in-flight limits. Measured figures: docs/planner.md.
         if best_ms > lower_bound + 1e-9:
             share = phase1 * p.bound_share
             limits = stair = None
             if memory_pass and serial_peak > 0:
                 limits = bound_budget_limits(cp, concat, p.bound_budget * serial_peak, caps)
                 stair = bound_staircase(cp, concat, p.bound_budget * serial_peak, caps)
-            # Unhinted first: on 09 (the hardest) the unhinted run is the one that got there.
+            # Unhinted first: on the hardest Table 3 setting it is the run that gets there.
             hints = [None, best if start_valid else None, concat]
             attempt = unconstrained = 0
             last: str | None = None
             statuses = []
-            # An unconstrained run that succeeds takes about the same time whatever the seed
-            # (09: 17 s with each of three seeds), so it gets time by size.
+            # An unconstrained run that succeeds takes about the same time whatever the seed,
+            # so it gets time by size.
             per_unconstrained = p.attempt_at_bound_seconds(len(cp.tasks))
             while True:
                 left = share - (time.perf_counter() - t_phase)
@@ -133,7 +132,7 @@ def search(
                     kind, per = "unconstrained", per_unconstrained
                 if kind == "unconstrained" and unconstrained == 0 and attempt > 0:
                     # The bound comes first: after a failed memory-limited attempt, one
-                    # unconstrained run gets its full time even past the share (09 needs 17 s).
+                    # unconstrained run gets its full time even past the share.
                     budget = min(per, p.unconstrained_reserve * remaining())
                     if budget < p.min_attempt_seconds:
                         break

@@ -1,6 +1,7 @@
 """Test support shipped with the package (as ``torch.testing``): tiny models, synthetic PPO
 experience, exactness cases and rank workers, a tiny Lightning module, a tiny distributed
-rollout with fault injection, and the Triton-interpreter runner for kernel tests.
+rollout with fault injection, the Triton-interpreter runner for kernel tests, tiny TRL
+models and tokenizers, the fake vLLM engine and the CPU stubs for OpenRLHF.
 
 The project's tests, benchmarks and examples use it; so can code built on rlhf-fusion.
 Everything a spawned rank runs is defined at module level, so ``rlhf_fusion.launch.run_ranks``
@@ -17,6 +18,13 @@ submodule                  what
                            (imports Lightning)
 ``testing.rollout``        ``TinyJob``, ``tiny_job_worker``, the injectable ``FAULTS``
 ``testing.kernels``        ``InterpreterChild``, ``in_interpreter_child`` (no torch import)
+``testing.trl``            ``tiny_tokenizer``, ``tiny_causal_lm``, ``tiny_model_dir``, prompt
+                           datasets and reward functions for TRL trainer tests
+``testing.vllm``           ``FakeAsyncLLM``, the one fake vLLM engine, and
+                           ``fake_vllm_module`` (kept honest by the vLLM contract tests)
+``testing.openrlhf``       ``install_cpu_stubs`` (vllm, flash_attn, deepspeed stubs),
+                           ``HOOK_WITH_STUBS`` (the Ray hook with them), ``StubTokenizer``,
+                           ``FakeModel``
 =========================  ===================================================================
 
 ``import rlhf_fusion.testing`` imports nothing heavy; each name below loads its submodule on
@@ -35,6 +43,7 @@ _LAZY = {
     "build_causal_lm": ".models",
     "build_value_model": ".models",
     "build_models": ".models",
+    "seeded": ".models",
     # the fused PPO pipeline
     "Case": ".pipeline",
     "make_experience": ".pipeline",
@@ -58,6 +67,28 @@ _LAZY = {
     "CHILD_ENV": ".kernels",
     "InterpreterChild": ".kernels",
     "in_interpreter_child": ".kernels",
+    # TRL
+    "CHARS": ".trl",
+    "byte_bpe_tokenizer": ".trl",
+    "tiny_family_model_dir": ".trl",
+    "tiny_causal_lm": ".trl",
+    "tiny_model_dir": ".trl",
+    "tiny_prompt_dataset": ".trl",
+    "tiny_tokenizer": ".trl",
+    "vowel_reward": ".trl",
+    "length_reward": ".trl",
+    # vLLM
+    "POSITION_KEY": ".vllm",
+    "FakeAsyncLLM": ".vllm",
+    "FakeSamplingParams": ".vllm",
+    "fake_vllm_module": ".vllm",
+    # OpenRLHF
+    "HOOK_WITH_STUBS": ".openrlhf",
+    "FakeModel": ".openrlhf",
+    "StubTokenizer": ".openrlhf",
+    "fake_model_actor_class": ".openrlhf",
+    "install_cpu_stubs": ".openrlhf",
+    "setup_worker_with_cpu_stubs": ".openrlhf",
 }
 
 __all__ = list(_LAZY)

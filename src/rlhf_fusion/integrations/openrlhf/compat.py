@@ -15,6 +15,8 @@ import inspect
 import textwrap
 from pathlib import Path
 
+from .plugin_state import STOCK
+
 __all__ = ["SUPPORTED", "OpenRLHFVersionError", "check_seams", "check_version"]
 
 SUPPORTED = (">=0.11.2", "<0.12")  # verified against 0.11.2; the seams below guard the rest
@@ -87,10 +89,8 @@ def body_hash(fn: object) -> str:
 
 def _check_body(where: str, fn: object, version: str) -> None:
     if getattr(fn, "__module__", "").startswith("rlhf_fusion"):  # installed: check stock's
-        from .plugins import _INSTALLED
-
         name = where.rpartition(".")[2]
-        fn = next(st[name] for st in _INSTALLED.values() if name in st)
+        fn = next(st[name] for st in STOCK.values() if name in st)
     got = body_hash(fn)
     if got != STOCK_BODIES[where]:
         raise OpenRLHFVersionError(
@@ -216,9 +216,7 @@ def check_seams(*, gae: bool = True, stream: bool = True, scoring: bool = True) 
             raise OpenRLHFVersionError(f"openrlhf {version}: samples_generator has no "
                                        f"_collect_prompt_batch; install {SUPPORTED_TEXT}")
         ve = importlib.import_module("openrlhf.trainer.ray.vllm_engine")
-        from .plugins import _INSTALLED
-
-        stock_actor = _INSTALLED.get("stream", {}).get("RolloutRayActor", ve.RolloutRayActor)
+        stock_actor = STOCK.get("stream", {}).get("RolloutRayActor", ve.RolloutRayActor)
         actor = getattr(getattr(stock_actor, "__ray_metadata__", None),
                         "modified_class", None)
         if actor is None:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from ...triton_kernels.gae import gae
+from . import plugin_state
 
 __all__ = ["fused_get_advantages_and_returns"]
 
@@ -38,8 +39,6 @@ def fused_get_advantages_and_returns(
     rewards are promoted before); ``gae`` computes in float32, so the result is cast to that
     dtype to keep everything downstream (whitening, the replay buffer) unchanged.
     """
-    from . import plugins
-
     # Where the blocked form would differ from stock, run stock: gae refuses gamma/lambda
     # outside [0, 1] (stock accepts them), and a NaN/inf anywhere (padding included) makes
     # stock's advantages NaN, which the blocked form would not reproduce.
@@ -50,7 +49,7 @@ def fused_get_advantages_and_returns(
         reason = "values or rewards with NaN/inf"
     if reason is not None:
         _stock_once(reason)
-        stock = plugins._INSTALLED["gae"]["get_advantages_and_returns"]
+        stock = plugin_state.stock("gae", "get_advantages_and_returns")
         return stock(self, values, rewards, action_mask, gamma, lambd)
     out_dtype = torch.promote_types(torch.promote_types(values.dtype, rewards.dtype),
                                     torch.float32)

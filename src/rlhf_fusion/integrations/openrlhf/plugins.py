@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 from .options import FusionOptions
+from .plugin_state import STOCK, current_options, set_options
 
 __all__ = ["current_options", "install_plugins", "installed_plugins", "uninstall_plugins"]
 
@@ -31,14 +32,8 @@ PLUGIN_MODULES: dict[str, tuple[str, ...]] = {
     "stream_scoring": (EM, PT),
 }
 
-_INSTALLED: dict[str, Any] = {}  # plugin name -> the stock objects it replaced, by name
 _APPLIED: set[tuple[str, str]] = set()  # (plugin, module) patched
 _REQUESTED: set[str] = set()
-_OPTIONS: FusionOptions | None = None
-
-
-def current_options() -> FusionOptions | None:
-    return _OPTIONS
 
 
 def installed_plugins() -> list[str]:
@@ -63,7 +58,7 @@ def _patch(module_name: str, module: Any) -> None:
     for plugin in sorted(_REQUESTED):
         if module_name not in PLUGIN_MODULES.get(plugin, ()) or (plugin, module_name) in _APPLIED:
             continue
-        stock = _INSTALLED.setdefault(plugin, {})
+        stock = STOCK.setdefault(plugin, {})
         if plugin == "gae":
             from .gae_plugin import fused_get_advantages_and_returns
 
@@ -147,7 +142,6 @@ def install_plugins(options: FusionOptions, *, check: bool = True,
     only the modules already imported and the rest when they are (Ray workers: nothing is
     imported that the worker would not import itself).
     """
-    global _OPTIONS
     if options.pipeline:
         raise NotImplementedError(
             "--fusion.pipeline: the fused Actor/Critic pipeline is not wired into OpenRLHF's "
@@ -157,7 +151,7 @@ def install_plugins(options: FusionOptions, *, check: bool = True,
         from .compat import check_seams
 
         check_seams(gae=options.gae, stream=options.stream, scoring=options.stream_scoring)
-    _OPTIONS = options
+    set_options(options)
     _REQUESTED.update(_requested(options))
     for module_name in sorted(_wanted_modules()):
         module = sys.modules.get(module_name)
@@ -172,7 +166,6 @@ def install_plugins(options: FusionOptions, *, check: bool = True,
 
 def uninstall_plugins() -> None:
     """Undo ``install_plugins`` (tests)."""
-    global _OPTIONS
     where = {"get_advantages_and_returns": (EM, "RemoteExperienceMaker"),
              "make_experience_batch": (EM, "RemoteExperienceMaker"),
              "split_rollout_samples": (EM, "RemoteExperienceMaker"),
@@ -181,14 +174,14 @@ def uninstall_plugins() -> None:
              "train_step": (PT, "BasePPOTrainer"),
              "__init__": (PT, "BasePPOTrainer"),
              "RolloutRayActor": (VE, None)}
-    for stock in _INSTALLED.values():
+    for stock in STOCK.values():
         for name, obj in stock.items():
             module_name, owner = where[name]
             module = sys.modules[module_name]
             setattr(module if owner is None else getattr(module, owner), name, obj)
-    _INSTALLED.clear()
+    STOCK.clear()
     _APPLIED.clear()
     _REQUESTED.clear()
     if _FINDER in sys.meta_path:
         sys.meta_path.remove(_FINDER)
-    _OPTIONS = None
+    set_options(None)

@@ -31,6 +31,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import plugin_state
+
 __all__ = ["ScoredBatch", "ScoringLink", "StreamScorer", "link_scoring", "stock_reason"]
 
 ORDER = ("reward", "actor", "critic", "ref")  # stock make_experience's dispatch order
@@ -260,9 +262,7 @@ class StreamScorer:
 
 def fusion_make_experience_batch(self: Any, rollout_samples: list[Any]) -> list[Any]:
     """Stock ``make_experience_batch``, answered from the stream when this batch was streamed."""
-    from . import plugins
-
-    stock = plugins._INSTALLED["stream_scoring"]["make_experience_batch"]
+    stock = plugin_state.stock("stream_scoring", "make_experience_batch")
     link = getattr(self, "_fusion_link", None)
     scored = link.take(rollout_samples) if link is not None else None
     self._fusion_scored = scored
@@ -273,11 +273,9 @@ def fusion_make_experience_batch(self: Any, rollout_samples: list[Any]) -> list[
 
 
 def fusion_split_rollout_samples(self: Any, rollout_samples: list[Any]) -> list[Any]:
-    from . import plugins
-
     scored = getattr(self, "_fusion_scored", None)
     if scored is None:
-        return plugins._INSTALLED["stream_scoring"]["split_rollout_samples"](self, rollout_samples)
+        return plugin_state.stock("stream_scoring", "split_rollout_samples")(self, rollout_samples)
     for i, sample in enumerate(rollout_samples):
         sample.index = [i]
     return scored.micro_batches
@@ -286,9 +284,7 @@ def fusion_split_rollout_samples(self: Any, rollout_samples: list[Any]) -> list[
 def fusion_dispatch_forward(self: Any, group: Any, sync_condition: Any, **kwargs: Any) -> Any:
     import ray
 
-    from . import plugins
-
-    stock = plugins._INSTALLED["stream_scoring"]["_dispatch_forward"]
+    stock = plugin_state.stock("stream_scoring", "_dispatch_forward")
     scored = getattr(self, "_fusion_scored", None)
     if scored is None:
         return stock(self, group, sync_condition, **kwargs)
@@ -306,7 +302,5 @@ def fusion_dispatch_forward(self: Any, group: Any, sync_condition: Any, **kwargs
 
 
 def fusion_trainer_init(self: Any, *args: Any, **kwargs: Any) -> None:
-    from . import plugins
-
-    plugins._INSTALLED["stream_scoring"]["__init__"](self, *args, **kwargs)
+    plugin_state.stock("stream_scoring", "__init__")(self, *args, **kwargs)
     link_scoring(self)

@@ -25,6 +25,7 @@ from typing import Any
 
 from ...rollout.planning import MovingSample, assign_migration, required_instances
 from ...rollout.types import RolloutError
+from . import plugin_state
 from .options import FusionOptions
 
 __all__ = ["AUTO_RT_FRACTION", "StreamStats", "fusion_generate_vllm"]
@@ -62,9 +63,7 @@ def _sampling_params(self: Any, generate_kwargs: dict[str, Any]) -> Any:
 
 
 def _options() -> FusionOptions:
-    from . import plugins
-
-    return plugins.current_options() or FusionOptions(stream=True)
+    return plugin_state.current_options() or FusionOptions(stream=True)
 
 
 def _send_tokenizer(self: Any, engines: list[Any]) -> None:
@@ -274,8 +273,6 @@ def fusion_metrics(generator: Any) -> dict[str, float]:
 
 def fusion_train_step(self: Any, rollout_samples: Any, global_step: int) -> Any:
     """Stock ``BasePPOTrainer.train_step``, its status with the plugins' counters added."""
-    from . import plugins
-
-    status, step = plugins._INSTALLED["stream"]["train_step"](self, rollout_samples, global_step)
+    status, step = plugin_state.stock("stream", "train_step")(self, rollout_samples, global_step)
     status.update(fusion_metrics(getattr(self, "samples_generator", None)))
     return status, step

@@ -13,28 +13,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ...runtime.masked import masked_mean, whiten
 from ...triton_kernels import gae as gae_kernel
 from ...triton_kernels import gae_reference
 from .rollout import first_true_indices, truncate_at_stop
 
 INVALID_LOGPROB = 1.0
-
-
-def masked_mean(values: Tensor, mask: Tensor) -> Tensor:
-    return (values * mask).sum() / mask.sum()
-
-
-def masked_whiten(values: Tensor, mask: Tensor, shift_mean: bool = True) -> Tensor:
-    """Whiten the masked entries (unbiased variance, ``1e-8`` in the root), as TRL does."""
-    mean = masked_mean(values, mask)
-    var = masked_mean((values - mean) ** 2, mask)
-    n = mask.sum()
-    if n == 0:
-        raise ValueError("whitening over an empty mask: raise mini_batch_size or "
-                         "gradient_accumulation_steps")
-    var = var * (n / (n - 1))
-    out = (values - mean) * torch.rsqrt(var + 1e-8)
-    return out if shift_mean else out + mean
 
 
 @dataclass
@@ -90,14 +74,14 @@ def make_experience(*, responses: Tensor, logprobs: Tensor, ref_logprobs: Tensor
     end = torch.where(lengths_p1 < rewards.size(1), lengths_p1, sequence_lengths)
     rewards[rows, end] += scores
     if whiten_rewards:
-        rewards = masked_whiten(rewards, ~padding_mask_p1, shift_mean=False)
+        rewards = whiten(rewards, ~padding_mask_p1, shift_mean=False, trl_exact=True)
         rewards = torch.masked_fill(rewards, padding_mask_p1, 0)
     if use_kernel:
         advantages, returns = kernel_gae(rewards, values, gamma, lam)
     else:  # the reverse loop, TRL's arithmetic op for op
         advantages, returns = gae_reference(rewards, values, gamma=gamma, lam=lam,
                                             dtype=rewards.dtype)
-    advantages = masked_whiten(advantages, ~padding_mask)
+    advantages = whiten(advantages, ~padding_mask, trl_exact=True)
     advantages = torch.masked_fill(advantages, padding_mask, 0)
     return PPOExperience(responses, logprobs, values, advantages, returns, padding_mask,
                          padding_mask_p1, sequence_lengths, kl, non_score_reward, scores)
@@ -135,9 +119,10 @@ def policy_terms(*, logits: Tensor, responses: Tensor, old_logprobs: Tensor,
     ratio = torch.exp(logprobs_diff)
     pg_losses = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    pg_loss = masked_mean(torch.max(pg_losses, pg_losses2), ~padding_mask)
+    pg_loss = masked_mean(torch.max(pg_losses, pg_losses2), ~padding_mask, trl_exact=True)
     with torch.no_grad():
-        pg_clipfrac = masked_mean((pg_losses2 > pg_losses).float(), ~padding_mask)
+        pg_clipfrac = masked_mean((pg_losses2 > pg_losses).float(), ~padding_mask,
+                                  trl_exact=True)
     return PolicyTerms(pg_loss, pg_clipfrac, logprobs_diff, ratio, logits)
 
 
@@ -163,6 +148,8 @@ def value_terms(*, vpred: Tensor, old_values: Tensor, returns: Tensor, padding_m
     vpredclipped = torch.clamp(vpred, old_values - cliprange_value, old_values + cliprange_value)
     vf_losses1 = torch.square(vpred - returns)
     vf_losses2 = torch.square(vpredclipped - returns)
-    vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), ~padding_mask_p1)
-    vf_clipfrac = masked_mean((vf_losses2 > vf_losses1).float(), ~padding_mask_p1)
+    vf_loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), ~padding_mask_p1,
+                                trl_exact=True)
+    vf_clipfrac = masked_mean((vf_losses2 > vf_losses1).float(), ~padding_mask_p1,
+                              trl_exact=True)
     return ValueTerms(vf_loss, vf_clipfrac)

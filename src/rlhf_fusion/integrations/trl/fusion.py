@@ -6,6 +6,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
+from ...rollout.backend_registry import backend_names
+
 __all__ = ["FusionConfig", "FusionConfigError"]
 
 
@@ -34,7 +36,8 @@ class FusionConfig:
       many stages (the processes divide into ``world / pipeline_stages`` replicas), on a
       schedule found by ``solver`` (``"auto"``: CP-SAT where installed, else greedy; or
       ``"greedy"``) within ``solver_time_limit`` seconds, from profiled stage times.
-    - ``backend``: ``"reference"`` (transformers, any device) or ``"vllm"`` (where installed).
+    - ``backend``: ``"reference"`` (transformers, any device), ``"vllm"`` (where installed),
+      or any name registered in :mod:`rlhf_fusion.rollout.backend_registry`.
     - ``max_batch_size``: BS_max of a generation instance; ``generation_dtype``: the dtype of
       the generation copy of the Actor (``"float32"`` or ``"float64"``; the reference backend).
     - ``vllm_engine_kwargs``: extra ``vllm.AsyncEngineArgs`` for ``backend="vllm"`` (for
@@ -51,7 +54,7 @@ class FusionConfig:
     pipeline_stages: int = 1
     solver: Literal["auto", "greedy", "cpsat"] = "auto"
     solver_time_limit: float = 5.0
-    backend: Literal["reference", "vllm"] = "reference"
+    backend: str = "reference"
     max_batch_size: int = 64
     generation_dtype: Literal["float32", "float64"] = "float32"
     vllm_engine_kwargs: Mapping[str, Any] | None = None
@@ -73,10 +76,6 @@ class FusionConfig:
             raise FusionConfigError(f"unknown FusionConfig field(s) {bad}; known: {sorted(known)}")
         return replace(self, **changes)  # type: ignore[arg-type]
 
-    @property
-    def any_on(self) -> bool:
-        return self.stream or self.gae or self.trim_padding or self.pipeline_stages > 1
-
     def validate(self) -> None:
         if self.rt != "auto" and not (isinstance(self.rt, (int, float)) and 0 < self.rt <= 1):
             raise FusionConfigError(
@@ -84,8 +83,10 @@ class FusionConfig:
         if self.mechanism not in ("kv", "tokens", "auto"):
             raise FusionConfigError(
                 f"mechanism={self.mechanism!r}: use 'kv', 'tokens' or 'auto'")
-        if self.backend not in ("reference", "vllm"):
-            raise FusionConfigError(f"backend={self.backend!r}: use 'reference' or 'vllm'")
+        if self.backend not in backend_names():
+            raise FusionConfigError(
+                f"backend={self.backend!r}: use one of {list(backend_names())} (or "
+                "register_backend yours in rlhf_fusion.rollout.backend_registry)")
         if self.pipeline_stages < 1:
             raise FusionConfigError(f"pipeline_stages={self.pipeline_stages}: must be >= 1")
         if self.solver not in ("auto", "greedy", "cpsat"):
@@ -101,20 +102,24 @@ class FusionConfig:
                 "generation backends); set stream=True or migrate=False")
 
 
-def vllm_generation_backend(policy: Any, fusion: FusionConfig, *, seed: int,
-                            instance_id: int) -> Any:
-    """``backend="vllm"``: a ``VLLMBackend`` built from the policy's checkpoint; the trainer
-    pushes the training copy's weights into it before every rollout."""
-    from ...rollout.vllm_backend import VLLMBackend
+def generation_backend(policy: Any, fusion: FusionConfig, *, seed: int, instance_id: int,
+                       device: Any) -> Any:
+    """This process's generation instance of ``fusion.backend`` (a name registered in
+    :mod:`rlhf_fusion.rollout.backend_registry`), with its own copy of ``policy`` or, for an
+    engine, the policy's checkpoint; the trainer pushes the training copy's weights into it
+    before every rollout."""
+    import torch
 
-    path = getattr(policy.config, "_name_or_path", "") or ""
-    if not path:
-        raise FusionConfigError(
-            "backend='vllm' builds its engine from the policy's checkpoint, and this policy "
-            "has none (built from a config): save_pretrained it and load it from the "
-            "directory, or use backend='reference'")
-    kwargs = {"seed": seed, "max_num_seqs": fusion.max_batch_size,
-              # Old logprobs are under the sampling temperature, as TRL's are.
-              "logprobs_mode": "processed_logprobs", **dict(fusion.vllm_engine_kwargs or {})}
-    return VLLMBackend(model=path, engine_kwargs=kwargs, instance_id=instance_id,
-                       max_batch_size=fusion.max_batch_size)
+    from ...rollout.backend_registry import BackendRequest, make_backend
+    from ...rollout.types import RolloutConfigError
+    from .compat import generation_copy
+
+    request = BackendRequest(
+        copy_model=lambda: generation_copy(policy), instance_id=instance_id,
+        max_batch_size=fusion.max_batch_size, seed=seed,
+        checkpoint=getattr(policy.config, "_name_or_path", "") or None, device=device,
+        dtype=getattr(torch, fusion.generation_dtype), engine_kwargs=fusion.vllm_engine_kwargs)
+    try:
+        return make_backend(fusion.backend, request)
+    except RolloutConfigError as exc:
+        raise FusionConfigError(str(exc)) from exc

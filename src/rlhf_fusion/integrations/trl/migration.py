@@ -3,33 +3,37 @@
 Every process contributes its local prompts; :func:`run_rollout` then generates the whole
 batch (process ``r`` first holds the samples with ``sample_id % world == r``), moves the long
 tail to fewer processes once at most R_t samples are left, and lets the freed processes score
-finished samples through the same :class:`_StreamScorer` as a single process. Every process
+finished samples through the same :class:`StreamScorer` as a single process. Every process
 gets the whole batch back and keeps its own slice, so TRL's code after generation sees what it
 would have seen without migration.
 
 Needs a default process group that can send CPU tensors point to point (gloo; the CPU
-``accelerate`` launch). R_t: ``fusion.rt`` as a fraction, or with ``"auto"`` the loop's planner
-(:class:`RtChooser`): the generation + inference simulator over the response lengths and
-decode-step timings seen in earlier rollouts, refined after every rollout (RLHFuse §4.2).
+``accelerate`` launch). R_t: ``fusion.rt`` as a fraction, or with ``"auto"`` the R_t planner
+the loop uses too (:class:`RtChooser`): the generation + inference simulator over the response
+lengths and decode-step timings seen in earlier rollouts, refined after every rollout
+(RLHFuse §4.2).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...rollout.config import RolloutConfig
 from ...rollout.distributed import run_rollout
 from ...rollout.reference import ReferenceBackend
 from ...rollout.types import SampleResult
-from .streaming import FusedRolloutMixin, _Batch, _StreamScorer
+from .scoring import StreamBatch, StreamScorer
+
+if TYPE_CHECKING:
+    from .streaming import FusedRolloutMixin
 
 __all__ = ["RtChooser", "migrated_rollout", "migrating_rollout"]
 
 
 class RtChooser:
     """R_t (samples) for each rollout of a trainer: ``fusion.rt`` as a fraction of the batch,
-    or ``"auto"``: :class:`~rlhf_fusion.loop.rt.RtPlanner`, fed after every rollout. Collective
-    under ``"auto"`` (rank 0 decides and broadcasts)."""
+    or ``"auto"``: :class:`~rlhf_fusion.rollout.rt_control.RtPlanner`, fed after every
+    rollout. Collective under ``"auto"`` (rank 0 decides and broadcasts)."""
 
     def __init__(self, rt: float | str, bs_max: int, world: int) -> None:
         self.fixed = None if rt == "auto" else float(rt)
@@ -41,7 +45,7 @@ class RtChooser:
         if self.fixed is not None:
             return max(1, round(self.fixed * batch))
         if self.planner is None or self.planner.batch != batch:
-            from ...loop.rt import RtPlanner
+            from ...rollout.rt_control import RtPlanner
 
             self.planner = RtPlanner(batch, self.world, bs_max=self.bs_max)
         return self.planner.rt()
@@ -58,7 +62,7 @@ def migrating_rollout(chooser: RtChooser, backend: Any, scorer: Any, specs: list
                       fusion: Any) -> tuple[Any, int]:
     """One :func:`run_rollout` with migration at the chooser's R_t, every decode step timed
     and the outcome fed back to the chooser. Returns ``(RolloutOutput, R_t)``."""
-    from ...loop.rt import TimedBackend
+    from ...rollout.rt_control import TimedBackend
 
     timed = TimedBackend(backend)
     rt = chooser.rt(len(specs))
@@ -72,7 +76,7 @@ def migrating_rollout(chooser: RtChooser, backend: Any, scorer: Any, specs: list
 
 
 def migrated_rollout(trainer: FusedRolloutMixin, backend: ReferenceBackend,
-                     prompt_ids: list[list[int]], batch: _Batch | None) -> list[SampleResult]:
+                     prompt_ids: list[list[int]], batch: StreamBatch | None) -> list[SampleResult]:
     """This process's samples (ids ``rank * n ...``), generated and scored across processes."""
     from accelerate.utils import gather_object
 
@@ -82,10 +86,10 @@ def migrated_rollout(trainer: FusedRolloutMixin, backend: ReferenceBackend,
     everyone = gather_object([list(p) for p in prompt_ids])
     specs = trainer._sample_specs(everyone, 0)
     scorer = None
-    whole: _Batch | None = None
+    whole: StreamBatch | None = None
     if batch is not None:
-        whole = _Batch(inputs=gather_object(list(batch.inputs)), offset=0)
-        scorer = _StreamScorer(trainer, whole, specs)
+        whole = StreamBatch(inputs=gather_object(list(batch.inputs)), offset=0)
+        scorer = StreamScorer(trainer, whole, specs)
     fusion = trainer.fusion
     chooser = getattr(t, "_rt_chooser", None)
     if chooser is None:

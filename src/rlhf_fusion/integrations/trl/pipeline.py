@@ -21,7 +21,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ...loop.reallocate import (
+from ...runtime.fused import FusedRank, forward_backward, fused_problem, optimizer_step
+from ...runtime.fused import partition_rank as _partition_rank
+from ...runtime.weight_sync import (
     broadcast_parameters,
     full_state,
     ownership,
@@ -29,8 +31,6 @@ from ...loop.reallocate import (
     stage_parameters,
     tied_aliases,
 )
-from ...runtime.fused import FusedRank, forward_backward, fused_problem, optimizer_step
-from ...runtime.fused import partition_rank as _partition_rank
 from .experience import PPOExperience, policy_stats, policy_terms, value_terms
 from .fusion import FusionConfigError
 from .rollout import PPORollout

@@ -30,7 +30,6 @@ import torch.distributed as dist
 from torch import nn
 from transformers import TrainerState
 
-from .compat import generation_copy
 from .experience import (
     PolicyTerms,
     PPOExperience,
@@ -40,7 +39,7 @@ from .experience import (
     policy_terms,
     value_terms,
 )
-from .fusion import FusionConfig, vllm_generation_backend
+from .fusion import FusionConfig, generation_backend
 from .ppo_config import PPOConfig
 from .rollout import (
     PPORollout,
@@ -369,24 +368,12 @@ class FusedPPOTrainer(_BaseTrainer):
         """The generation instance of this process, built once; the training copy's weights
         are pushed into it before every rollout."""
         if self._backend is None:
-            self._backend = (self._vllm_backend(policy) if self.fusion.backend == "vllm"
-                             else self._reference_backend(policy))
+            self._backend = generation_backend(
+                policy, self.fusion, seed=self.args.seed,
+                instance_id=self.accelerator.process_index, device=self.accelerator.device)
         with torch.no_grad():
             self._backend.update_weights(policy.state_dict())
         return self._backend
-
-    def _reference_backend(self, policy: nn.Module) -> Any:
-        from ...rollout.reference import ReferenceBackend
-
-        # Its own copy of the Actor: its own dtype and attention implementation.
-        return ReferenceBackend(
-            generation_copy(policy), instance_id=self.accelerator.process_index,
-            max_batch_size=self.fusion.max_batch_size,
-            dtype=getattr(torch, self.fusion.generation_dtype), device=self.accelerator.device)
-
-    def _vllm_backend(self, policy: nn.Module) -> Any:
-        return vllm_generation_backend(policy, self.fusion, seed=self.args.seed,
-                                       instance_id=self.accelerator.process_index)
 
     @torch.no_grad()
     def _streamed_rollout(self, queries: torch.Tensor, update: int, unwrapped: Any

@@ -17,7 +17,7 @@ seams; TRL's own ``_generate_and_score_completions`` still runs the whole step:
 
 With several accelerate processes and ``fusion.migrate``, the rollout runs through
 :func:`rlhf_fusion.rollout.distributed.run_rollout`, which moves the long tail to fewer
-processes and lets the freed ones score (see :class:`_StreamScorer`).
+processes and lets the freed ones score (see :class:`StreamScorer`).
 
 Padded completion positions: the streamed tensors hold real values on each completion's own
 tokens; positions past a completion's end (which TRL masks) hold :data:`REF_PAD_LOGP` (Ref) or
@@ -27,19 +27,17 @@ tokens; positions past a completion's end (which TRL masks) hold :data:`REF_PAD_
 from __future__ import annotations
 
 import contextlib
-import sys
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from ...rollout.reference import ReferenceBackend
 from ...rollout.sampling import derive_seed
 from ...rollout.types import SampleResult, SampleSpec
-from .compat import check_trl_seams, generation_copy, logps_options, uses_fused_lm_head
-from .fusion import FusionConfig, FusionConfigError, vllm_generation_backend
+from .compat import check_trl_seams, logps_options, uses_fused_lm_head
+from .fusion import FusionConfig, FusionConfigError, generation_backend
 from .packing import Packed, attention_mask_for, completion_targets, pack
+from .scoring import StreamBatch, StreamScorer, stock_module
 
 __all__ = ["REF_PAD_LOGP", "FusedRolloutMixin"]
 
@@ -47,58 +45,15 @@ REF_PAD_LOGP = -1.0e4
 """Ref logprob at padded completion positions: ``exp(ref - logp)`` underflows to 0 there."""
 
 
-@dataclass
-class _Scored:
-    """What streaming computed for one sample (CPU tensors, so it pickles across ranks)."""
-
-    sample_id: int
-    rewards: torch.Tensor | None = None  # (num reward funcs,)
-    ref: torch.Tensor | None = None      # (completion length,)
-    old: torch.Tensor | None = None      # (completion length,)
-
-
-@dataclass
-class _Batch:
-    """The generation batch being streamed: TRL's inputs and, once generated, the results."""
-
-    inputs: list[dict[str, Any]]
-    offset: int = 0                  # sample id of inputs[0]
-    prompt_width: int = 0            # TRL's left-padded prompt width
-    results: list[SampleResult] = field(default_factory=list)
-    scored: dict[int, _Scored] = field(default_factory=dict)
-    completions: list[Any] | None = None
-    done: bool = False
-
-    def rows(self, role: str) -> list[torch.Tensor | None]:
-        return [getattr(self.scored.get(r.sample_id), role, None) for r in self.results]
-
-
-def _stock_module(stock: type) -> Any:
-    return sys.modules[stock.__module__]
-
-
 def _trl_function(stock: type, name: str) -> Any:
     """TRL's ``name`` as the trainer module uses it, else from ``trl.trainer.utils`` (TRL 1.14's
     trainers import ``selective_log_softmax_and_entropy`` instead of ``entropy_from_logits``)."""
-    fn = getattr(_stock_module(stock), name, None)
+    fn = getattr(stock_module(stock), name, None)
     if fn is None:
         from trl.trainer import utils
 
         fn = getattr(utils, name)
     return fn
-
-
-@contextlib.contextmanager
-def _local_gather(stock: type) -> Iterator[None]:
-    """TRL's ``_calculate_rewards`` ends in a cross-process ``gather``; a micro-batch scored by
-    one process alone must not enter that collective, so it is the identity meanwhile."""
-    module = _stock_module(stock)
-    real = module.gather
-    module.gather = lambda t: t
-    try:
-        yield
-    finally:
-        module.gather = real
 
 
 class FusedRolloutMixin:
@@ -130,7 +85,7 @@ class FusedRolloutMixin:
         super().__init__(*args, **kwargs)
         self._fusion_backend: Any = None  # ReferenceBackend or VLLMBackend
         self._fusion_round = 0
-        self._fusion_batch: _Batch | None = None
+        self._fusion_batch: StreamBatch | None = None
         if self.fusion.stream:
             self._check_streamable()
 
@@ -172,7 +127,7 @@ class FusedRolloutMixin:
     def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
         if not self.fusion.stream or not self._streamable_batch(inputs):
             return super()._generate_and_score_completions(inputs)  # type: ignore[misc]
-        self._fusion_batch = _Batch(inputs=list(inputs))
+        self._fusion_batch = StreamBatch(inputs=list(inputs))
         try:
             return super()._generate_and_score_completions(inputs)  # type: ignore[misc]
         finally:
@@ -198,7 +153,7 @@ class FusedRolloutMixin:
                 and [list(r.token_ids) for r in batch.results] == list(completion_ids_list)):
             t: Any = self
             local = torch.stack(rows).to(t.accelerator.device)  # type: ignore[arg-type]
-            return _stock_module(self._stock).gather(local)
+            return stock_module(self._stock).gather(local)
         return super()._calculate_rewards(  # type: ignore[misc]
             inputs, prompts, completions, completion_ids_list)
 
@@ -221,18 +176,11 @@ class FusedRolloutMixin:
         """A copy of the policy in the backend, with this step's weights pushed into it."""
         t: Any = self
         policy = t.accelerator.unwrap_model(t.model)
-        if self._fusion_backend is None and self.fusion.backend == "vllm":
-            self._fusion_backend = vllm_generation_backend(
-                policy, self.fusion, seed=int(t.args.seed),
-                instance_id=t.accelerator.process_index)
         if self._fusion_backend is None:
-            dtype = getattr(torch, self.fusion.generation_dtype)
-            self._fusion_backend = ReferenceBackend(
-                generation_copy(policy), instance_id=t.accelerator.process_index,
-                max_batch_size=self.fusion.max_batch_size, dtype=dtype,
-                device=t.accelerator.device)
-        else:
-            self._fusion_backend.update_weights(policy.state_dict())
+            self._fusion_backend = generation_backend(
+                policy, self.fusion, seed=int(t.args.seed),
+                instance_id=t.accelerator.process_index, device=t.accelerator.device)
+        self._fusion_backend.update_weights(policy.state_dict())
         return self._fusion_backend
 
     def _sample_specs(self, prompt_ids: Sequence[Sequence[int]], offset: int) -> list[SampleSpec]:
@@ -246,7 +194,7 @@ class FusedRolloutMixin:
                            temperature=float(t.temperature), stop_token_ids=stop)
                 for i, p in enumerate(prompt_ids)]
 
-    def _fused_rollout(self, prompt_ids: list[list[int]], batch: _Batch | None
+    def _fused_rollout(self, prompt_ids: list[list[int]], batch: StreamBatch | None
                        ) -> list[SampleResult]:
         t: Any = self
         n = len(prompt_ids)
@@ -261,7 +209,7 @@ class FusedRolloutMixin:
             results = migrated_rollout(self, backend, prompt_ids, batch)
         else:
             specs = self._sample_specs(prompt_ids, offset)
-            scorer = _StreamScorer(self, batch, specs) if batch is not None else None
+            scorer = StreamScorer(self, batch, specs) if batch is not None else None
             backend.submit(specs)
             done: list[SampleResult] = []
             pending: list[SampleResult] = []
@@ -411,7 +359,7 @@ class FusedRolloutMixin:
         return lp, ent, tg.out
 
     # -- scoring --------------------------------------------------------------------------------
-    def _decode_completion(self, batch: _Batch, r: SampleResult) -> Any:
+    def _decode_completion(self, batch: StreamBatch, r: SampleResult) -> Any:
         """The completion as TRL's ``_generate`` decodes it (plain text or one assistant turn)."""
         from trl.data_utils import is_conversational
 
@@ -438,7 +386,7 @@ class FusedRolloutMixin:
         net = t.accelerator.unwrap_model(t.model)
         if _peft_ref_active(net) is None:
             return None  # neither a Ref model nor PEFT: TRL computes no Ref pass either
-        use_adapter = getattr(_stock_module(self._stock), "use_adapter", None)
+        use_adapter = getattr(stock_module(self._stock), "use_adapter", None)
         if use_adapter is None:  # pragma: no cover - imported by every supported TRL
             from trl.trainer.utils import use_adapter
         name = "ref" if "ref" in net.peft_config else None
@@ -492,85 +440,6 @@ class FusedRolloutMixin:
         return out.to(input_ids.device)
 
 
-class _StreamScorer:
-    """Scores finished samples of one batch: Ref and old logprobs through TRL's own
-    ``_get_per_token_logps_and_entropies``, rewards through TRL's ``_calculate_rewards``.
-
-    Micro-batches follow TRL's layout (prompts left-padded to the batch's width, completions
-    right-padded, ``mask_truncated_completions`` applied), so a sample's numbers match TRL's
-    full-batch pass to float rounding. Also the scorer ``run_rollout`` drives across ranks.
-    """
-
-    def __init__(self, trainer: FusedRolloutMixin, batch: _Batch, specs: Sequence[SampleSpec],
-                 ) -> None:
-        t: Any = trainer
-        self.trainer = trainer
-        self.batch = batch
-        self.specs = {s.sample_id: s for s in specs}
-        self.micro_batch = max(1, min(int(t.args.per_device_train_batch_size),
-                                      int(trainer.stream_micro_batch)))
-        mult = getattr(t, "pad_to_multiple_of", None)
-        width = max(len(s.prompt_ids) for s in specs)
-        batch.prompt_width = -(-width // mult) * mult if mult else width
-
-    def score(self, samples: Sequence[SampleResult]) -> list[_Scored]:
-        out: list[_Scored] = []
-        for i in range(0, len(samples), self.micro_batch):
-            out.extend(self._score(samples[i: i + self.micro_batch]))
-        for s in out:
-            self.batch.scored[s.sample_id] = s
-        return out
-
-    def _tensors(self, samples: Sequence[SampleResult]) -> tuple[torch.Tensor, torch.Tensor, int]:
-        t: Any = self.trainer
-        pad = t._tokenizer.pad_token_id
-        width = max(len(s.token_ids) for s in samples)
-        p = self.batch.prompt_width
-        ids = torch.full((len(samples), p + width), pad, dtype=torch.long)
-        mask = torch.zeros_like(ids)
-        stops = set(getattr(t, "eos_token_ids", None) or [t._tokenizer.eos_token_id]) | {pad}
-        for i, s in enumerate(samples):
-            n = len(s.prompt_ids)
-            ids[i, p - n: p] = torch.tensor(s.prompt_ids)
-            mask[i, p - n: p] = 1
-            ids[i, p: p + len(s.token_ids)] = torch.tensor(s.token_ids)
-            truncated = s.token_ids[-1] not in stops
-            if not (t.mask_truncated_completions and truncated):
-                mask[i, p: p + len(s.token_ids)] = 1
-        dev = t.accelerator.device
-        return ids.to(dev), mask.to(dev), width
-
-    def _score(self, samples: Sequence[SampleResult]) -> list[_Scored]:
-        if not samples:
-            return []
-        t: Any = self.trainer
-        trainer = self.trainer
-        scored = [_Scored(s.sample_id) for s in samples]
-        ids, mask, width = self._tensors(samples)
-        logps: list[tuple[str, Any, Any]] = []
-        ref = trainer._ref_pass()
-        if ref is not None:
-            logps.append(("ref", *ref))
-        if trainer._needs_old_logps():
-            logps.append(("old", t.model, contextlib.nullcontext()))
-        for role, model, context in logps:
-            with torch.no_grad(), _no_checkpointing(t), context:
-                lp, _, _ = self.trainer._stock._get_per_token_logps_and_entropies(
-                    trainer, model, ids, mask, width, batch_size=len(samples))
-            for j, (sc, s) in enumerate(zip(scored, samples)):
-                setattr(sc, role, lp[j, : len(s.token_ids)].detach().cpu())
-        rows = [s.sample_id - self.batch.offset for s in samples]
-        inputs = [self.batch.inputs[i] for i in rows]
-        prompts = [x["prompt"] for x in inputs]
-        completions = [trainer._decode_completion(self.batch, s) for s in samples]
-        with _local_gather(trainer._stock):
-            rewards = trainer._stock._calculate_rewards(
-                trainer, inputs, prompts, completions, [list(s.token_ids) for s in samples])
-        for j, sc in enumerate(scored):
-            sc.rewards = rewards[j].detach().cpu()
-        return scored
-
-
 def _peft_ref_active(net: Any) -> bool | None:
     """Whether a PEFT model runs as TRL's Ref (adapters disabled, or the ``"ref"`` adapter
     active); None for a model without PEFT."""
@@ -596,16 +465,3 @@ def _has_fused_head(forward: Any) -> bool:
         if fn is None:
             return False
     return False
-
-
-@contextlib.contextmanager
-def _no_checkpointing(trainer: Any) -> Iterator[None]:
-    """As TRL does around its no-grad passes (no use_reentrant warning)."""
-    try:
-        from trl.models.utils import disable_gradient_checkpointing
-    except ImportError:  # pragma: no cover - present in every supported TRL
-        yield
-        return
-    with disable_gradient_checkpointing(trainer.model,
-                                        trainer.args.gradient_checkpointing_kwargs):
-        yield

@@ -1,4 +1,7 @@
-"""Parameter reallocation from the training layout to the generation layout (ReaLHF §6).
+"""Weight sync: the trained weights from the training layout to the generation layout (ReaLHF §6).
+
+Between two arbitrary (dp, tp, pp) layouts see :mod:`.realloc_execute`; this is the loop's
+common case, a pipeline-split model to a whole copy on every rank.
 
 Training holds each model split into pipeline stages (one stage per rank, possibly several
 copies and replicas); generation and inference hold a whole copy on every rank. After each
@@ -16,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ..runtime.checkpoint import aliases
+from .checkpoint import aliases
 
 
 @dataclass(frozen=True)

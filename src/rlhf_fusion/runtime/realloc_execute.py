@@ -12,7 +12,7 @@ tensors of a Hugging Face Actor or Critic, bit for bit:
   to ``0`` (they live on the first pipeline stage); the final norm and the LM / value head, and
   anything after the layers, to ``L - 1`` (the last stage). A tensor tied under two names
   (LM head and token embedding) is moved once, under its first name (the embedding, layer 0);
-  :func:`rlhf_fusion.loop.reallocate.full_state` restores the alias on a whole model.
+  :func:`rlhf_fusion.runtime.weight_sync.full_state` restores the alias on a whole model.
 * **Columns.** The tensor-parallel column ``[c0, c1)`` (``Fraction`` bounds) of a parameter with
   ``n`` rows in dim 0 is rows ``[floor(c0 n), floor(c1 n))`` of dim 0, for 1-D tensors too.
   ``floor`` is monotone, so the pieces of any tiling of ``[0, 1)`` tile the rows exactly and the
@@ -49,7 +49,14 @@ from torch import Tensor, nn
 
 from ..placement.hardware import Cluster
 from ..placement.models import ModelShape
-from ..placement.realloc import Layout, ReallocPlan, Transfer, plan_realloc
+from ..placement.realloc_plan import (
+    Layout,
+    ReallocPlan,
+    Rect,
+    Transfer,
+    intersect,
+    plan_realloc,
+)
 from .errors import PeerError, PipelineTimeoutError
 from .partition import _layers, _layout, num_layers
 
@@ -66,8 +73,6 @@ __all__ = [
     "shard",
     "shard_bytes",
 ]
-
-Rect = tuple[int, int, Fraction, Fraction]  # (first layer, end layer, first column, end column)
 
 
 # -- which layer, which rows ----------------------------------------------------------------------
@@ -201,7 +206,7 @@ def realloc_model_shape(table: ParamTable) -> ModelShape:
 def shard_bytes(table: ParamTable, rect: Rect, within: Rect | None = None) -> int:
     """Real bytes of rectangle ``rect`` (intersected with ``within`` when given)."""
     if within is not None:
-        r = _inter(rect, within)
+        r = intersect(rect, within)
         if r is None:
             return 0
         rect = r
@@ -211,14 +216,6 @@ def shard_bytes(table: ParamTable, rect: Rect, within: Rect | None = None) -> in
             r0, r1 = _rows_of(table.shapes[n], (rect[2], rect[3]))
             total += table.nbytes(n, r1 - r0)
     return total
-
-
-def _inter(a: Rect, b: Rect) -> Rect | None:
-    l0, l1 = max(a[0], b[0]), min(a[1], b[1])
-    c0, c1 = max(a[2], b[2]), min(a[3], b[3])
-    if l0 >= l1 or c0 >= c1:
-        return None
-    return l0, l1, c0, c1
 
 
 # -- building and assembling shards ----------------------------------------------------------------
@@ -358,7 +355,7 @@ def execute(
                 out[n] = torch.empty((r1 - r0, *table.shapes[n][1:]), dtype=table.dtypes[n],
                                      device=device)
         # What this rank already holds stays: a local copy, no message.
-        keep = _inter(own, want) if own is not None else None
+        keep = intersect(own, want) if own is not None else None
         if keep is not None:
             assert local is not None
             for n in table.names:

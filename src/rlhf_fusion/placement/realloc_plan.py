@@ -76,7 +76,12 @@ class ReallocPlan:
                 "transfers": len(self.transfers)}
 
 
-def _inter(a: tuple, b: tuple) -> tuple | None:
+# A shard: (first layer, end layer, first column, end column).
+Rect = tuple[int, int, Fraction, Fraction]
+
+
+def intersect(a: Rect, b: Rect) -> Rect | None:
+    """The rectangle two shards share, or None when they share nothing."""
     l0, l1 = max(a[0], b[0]), min(a[1], b[1])
     c0, c1 = max(a[2], b[2]), min(a[3], b[3])
     if l0 >= l1 or c0 >= c1:
@@ -113,7 +118,7 @@ def plan_realloc(model: ModelShape, src: Layout, dst: Layout, cluster: Cluster, 
             for rect, hs in holders.items():
                 if any(node[h] == dnode for h in hs):
                     continue
-                piece = _inter(rect, dst_sh[r])
+                piece = intersect(rect, dst_sh[r])
                 if piece:
                     needed.add(piece)
         min_ib += _union_bytes(needed, nbytes)
@@ -123,7 +128,7 @@ def plan_realloc(model: ModelShape, src: Layout, dst: Layout, cluster: Cluster, 
         for rect in sorted(holders):
             if rect == own:
                 continue
-            piece = _inter(rect, want)
+            piece = intersect(rect, want)
             if piece is None:
                 continue
             hs = holders[rect]
@@ -139,7 +144,7 @@ def plan_realloc(model: ModelShape, src: Layout, dst: Layout, cluster: Cluster, 
     min_bytes = 0.0
     for r, want in dst_sh.items():
         own = src_sh.get(r)
-        held = _inter(own, want) if own else None
+        held = intersect(own, want) if own else None
         min_bytes += nbytes(want) - (nbytes(held) if held else 0.0)
     return ReallocPlan(transfers, total, min_bytes, ib, min_ib,
                        _seconds(transfers, cluster, dst.mesh))

@@ -1,7 +1,8 @@
-"""Choosing R_t inside the loop (RLHFuse §4.2): simulate, refine every iteration, converge.
+"""R_t control for a running job (RLHFuse §4.2): simulate, refine every iteration, converge.
 
-The simulator (:mod:`rlhf_fusion.rollout.planning.simulate`) needs two things the loop learns
-as it runs: the response-length distribution (refined with every batch's lengths) and the
+Used by the PPO loop and the TRL trainers. The simulator
+(:mod:`rlhf_fusion.rollout.planning.simulate`, torch-free) needs two things a job learns as it
+runs: the response-length distribution (refined with every batch's lengths) and the
 instance costs (fitted to every decode step and scoring call timed so far). Both accumulate
 over iterations, so one noisy step moves them little; the fit uses per-batch-size medians, and
 the choice keeps the previous R_t while it is within ``STICKY`` of the best, so the chosen
@@ -19,8 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..rollout.planning.lengths import LengthDistribution
-from ..rollout.planning.simulate import ClusterModel, plan_migration
+from .planning.lengths import LengthDistribution
+from .planning.simulate import ClusterModel, plan_migration
 
 # The sweep's curve is flat near its minimum, and timing noise must not move the choice along
 # it: take the middle of the R_t values within TOLERANCE of the best simulated time (see

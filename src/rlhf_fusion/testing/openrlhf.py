@@ -1,7 +1,7 @@
 """CPU test support for the OpenRLHF integration: stub ``vllm``/``flash_attn``/``deepspeed``
 modules (OpenRLHF imports them at module level; none installs without CUDA) whose engine is
 the project's one fake vLLM engine (:class:`rlhf_fusion.testing.vllm.FakeAsyncLLM`, kept honest
-by the vLLM contract tests), a toy tokenizer, and a setup hook that installs the stubs
+by the vLLM contract tests), a stub tokenizer, and a setup hook that installs the stubs
 before the real one (for Ray workers in tests).
 
 The stubs carry exactly the names OpenRLHF 0.11.2 imports on the PPO path; anything else raises
@@ -18,11 +18,11 @@ import types
 import uuid
 from typing import Any
 
-from ...testing.vllm import FakeAsyncLLM
-from ...testing.vllm import FakeSamplingParams as SamplingParams
+from .vllm import FakeAsyncLLM
+from .vllm import FakeSamplingParams as SamplingParams
 
-__all__ = ["CharTokenizer", "FakeAsyncLLM", "FakeModel", "fake_model_actor_class",
-           "install_cpu_stubs", "setup_worker_with_cpu_stubs"]
+__all__ = ["HOOK_WITH_STUBS", "FakeAsyncLLM", "FakeModel", "StubTokenizer",
+           "fake_model_actor_class", "install_cpu_stubs", "setup_worker_with_cpu_stubs"]
 
 HOOK_WITH_STUBS = f"{__name__}.setup_worker_with_cpu_stubs"
 
@@ -32,7 +32,7 @@ def _missing_name(module: str):
         if name.startswith("__"):
             raise AttributeError(name)
         raise AttributeError(f"{module}.{name} is not in rlhf_fusion's CPU stub; add it to "
-                             "integrations/openrlhf/testing.py if OpenRLHF now needs it")
+                             "testing/openrlhf.py if OpenRLHF now needs it")
     return __getattr__
 
 
@@ -99,20 +99,24 @@ def remove_cpu_stubs(names: list[str]) -> None:
 def setup_worker_with_cpu_stubs() -> None:
     """The integration's setup hook, after the stubs (Ray workers in CPU tests)."""
     install_cpu_stubs()
-    from .hook import setup_worker
+    from ..integrations.openrlhf.hook import setup_worker
 
     setup_worker()
 
 
-class CharTokenizer:
-    """A toy Hugging Face-style tokenizer: one id per character (ids 1..), ``decode`` back."""
+class StubTokenizer:
+    """A toy Hugging Face-style tokenizer for OpenRLHF's calls (``tok(text=...)``,
+    ``decode``): one id per character (ids 1..40, digits kept distinct), and ``decode`` spells
+    the ids, so a decoded text names its tokens whatever the engine generated. Not the loop's
+    :class:`~rlhf_fusion.loop.models.CharTokenizer`, whose alphabet drops digits; counts its
+    pickles (``pickles``) so tests see how often it travels."""
 
     pad_token_id = 0  # OpenRLHF pads micro-batches with it (Experience.concat_experiences)
     pickles = 0  # times serialised in this process (tests: it travels once per engine)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        CharTokenizer.pickles += 1
-        return (CharTokenizer, ())
+        StubTokenizer.pickles += 1
+        return (StubTokenizer, ())
 
     def __call__(self, text: str, add_special_tokens: bool = False,
                  return_tensors: str | None = None) -> dict[str, Any]:
