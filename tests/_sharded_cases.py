@@ -11,8 +11,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from rlhf_fusion.runtime.engine import clip_grad_norm_ as reference_clip
-from rlhf_fusion.runtime.fused import model_outputs
+from rlhf_fusion.runtime.fused import model_outputs, reference_step
+from rlhf_fusion.runtime.sharded_train import data_parallel_step
 from rlhf_fusion.testing.models import build_causal_lm, build_value_model, tiny_config
 
 VOCAB, SEQ, BATCH, MICRO, STEPS = 64, 12, 2, 4, 3
@@ -43,64 +43,75 @@ def micro_batches(step: int) -> list[dict[str, torch.Tensor]]:
     return out
 
 
-def loss_of(role: str, model: torch.nn.Module, mb: dict[str, torch.Tensor]) -> torch.Tensor:
-    out = model_outputs(role, model, mb)
+def loss_of(role: str, out: torch.Tensor, mb: dict[str, torch.Tensor]
+            ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A loss on the model's outputs (the loop's ``loss_fns`` signature)."""
     if role == "actor":   # next-token log-likelihood, as a policy loss reads logprobs
         lp = torch.log_softmax(out[:, :-1].float(), -1)
         tok = lp.gather(-1, mb["input_ids"][:, 1:, None]).squeeze(-1)
-        return -(tok * mb["attention_mask"][:, 1:]).sum() / mb["attention_mask"].sum()
-    return ((out - mb["target"].to(out.dtype)) ** 2 * mb["attention_mask"]).mean()
+        loss = -(tok * mb["attention_mask"][:, 1:]).sum() / mb["attention_mask"].sum()
+    else:
+        loss = ((out - mb["target"].to(out.dtype)) ** 2 * mb["attention_mask"]).mean()
+    return loss, {"mean_out": out.detach().float().mean()}
 
 
-def train(role: str, model: torch.nn.Module, shard: tuple[int, int], clip: Any,
-          sync: Any = None) -> list[float]:
-    """STEPS optimizer steps; per step this rank runs micro-batches ``[i*per, (i+1)*per)``
-    of MICRO (``shard = (i, n)``), each loss divided by MICRO (the loop's arithmetic)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5, weight_decay=0.01)
-    i, n = shard
-    per = MICRO // n
-    norms = []
+LOSS_FNS = {"actor": lambda out, mb: loss_of("actor", out, mb),
+            "critic": lambda out, mb: loss_of("critic", out, mb)}
+
+
+def optimizer(model: torch.nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, eps=1e-5, weight_decay=0.01)
+
+
+def train_reference(role: str, model: torch.nn.Module) -> list[dict[str, float]]:
+    """STEPS clipped AdamW steps of MICRO micro-batches on this process alone."""
+    opt = optimizer(model)
+    out = []
     for step in range(STEPS):
-        for mb in micro_batches(step)[i * per:(i + 1) * per]:
-            (loss_of(role, model, mb) / MICRO).backward()
-        if sync is not None:
-            sync(model)
-        norms.append(clip(model.parameters(), 0.5))
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return norms
+        res = reference_step({role: model}, micro_batches(step), {role: opt}, LOSS_FNS,
+                             max_grad_norm=0.5, roles=(role,))
+        out.append({f"{role}/{k}": v for k, v in res["stats"][role].items()}
+                   | {f"{role}/grad_norm": res["grad_norm"][role]})
+    return out
 
 
-def sharded_rank(rank: int, world: int, kind: str, dtype_name: str) -> dict[str, Any]:
-    """Every case, sharded over the ``world`` ranks (``kind``: "tp" or "zero3"), against the
-    same case on this process alone; returns the largest differences."""
-    from torch.distributed.device_mesh import DeviceMesh
+def train_sharded(role: str, model: torch.nn.Module, layout: Any, rank: int, groups: Any
+                  ) -> list[dict[str, float]]:
+    """The same steps with the loop's step function on ``layout`` (sharded in place)."""
+    opt = optimizer(model)
+    return [data_parallel_step(model, role, layout, rank, micro_batches(step), LOSS_FNS, opt,
+                               groups, 0.5) for step in range(STEPS)]
 
-    from rlhf_fusion.runtime.fsdp import apply_zero3
-    from rlhf_fusion.runtime.sharded_state import clip_grad_norm_, full_state_dict
-    from rlhf_fusion.runtime.tensor_parallel import apply_tensor_parallel
+
+def sharded_rank(rank: int, world: int, kind: str, dtype_name: str,
+                 only: tuple[str, ...] | None = None) -> dict[str, Any]:
+    """Every case on the ``world`` ranks laid out as ``kind`` ("tp": one tensor-parallel
+    group; "dp_tp": dp=2 x tp=2; "zero3": ZeRO-3 over all), against the same case on this
+    process alone; returns the largest differences."""
+    from rlhf_fusion.runtime.sharded_state import full_state_dict, load_full_state
+    from rlhf_fusion.runtime.sharded_train import TrainLayout, layout_groups, shard_for_training
 
     # CriticModel returns a squeezed view; nothing writes to it in place.
     warnings.filterwarnings("ignore", message=".*returned a view tensor")
     dtype = getattr(torch, dtype_name)
-    mesh = DeviceMesh.from_group(dist.group.WORLD, "cpu")
+    ranks = tuple(range(world))
+    layout = {"tp": TrainLayout(ranks, 1, world), "dp_tp": TrainLayout(ranks, world // 2, 2),
+              "zero3": TrainLayout(ranks, world, 1, 3)}[kind]
+    groups = {g: dist.new_group(list(g)) for g in layout_groups(layout)}
     out = {}
     for name, family, role, tie in CASES:
+        if only is not None and name not in only:
+            continue
         ref = build(family, role, tie, dtype)
         model = copy.deepcopy(ref)
         mb = micro_batches(0)[0]
         with torch.no_grad():
             want = model_outputs(role, ref, mb)
-        if kind == "tp":
-            apply_tensor_parallel(model, role, mesh)
-            shard = (0, 1)   # every tp rank runs every micro-batch
-        else:
-            apply_zero3(model, role, mesh)
-            shard = (rank, world)
+        shard_for_training(model, role, layout, rank, groups, torch.device("cpu"))
         with torch.no_grad():   # a forward without backward first: ZeRO-3 must reshard
             got = model_outputs(role, model, mb)
-        ref_norms = train(role, ref, (0, 1), reference_clip)
-        norms = train(role, model, shard, clip_grad_norm_)
+        ref_stats = train_reference(role, ref)
+        stats = train_sharded(role, model, layout, rank, groups)
         full = full_state_dict(model)
         ref_state = dict(ref.named_parameters())
         assert full.keys() == ref_state.keys(), name
@@ -109,7 +120,14 @@ def sharded_rank(rank: int, world: int, kind: str, dtype_name: str) -> dict[str,
             "params": max(float((full[k] - ref_state[k].detach()).abs().max()) for k in full),
             "moved": max(float((full[k] - build(family, role, tie, dtype).state_dict()[k])
                                .abs().max()) for k in full),
-            "norms": max(abs(a - b) for a, b in zip(norms, ref_norms, strict=True)),
+            "stats": max(abs(a[k] - b[k]) for a, b in zip(stats, ref_stats, strict=True)
+                         for k in a),
             "sharded": sorted({type(p).__name__ for p in model.parameters()}),
         }
+        # Whole weights back into the shards (a resume, a sync): the same tensors come out.
+        fresh = {k: v.detach().clone() for k, v in build(family, role, tie, dtype)
+                 .named_parameters()}
+        load_full_state(model, fresh)
+        back = full_state_dict(model)
+        out[name]["reload"] = max(float((back[k] - fresh[k]).abs().max()) for k in fresh)
     return out

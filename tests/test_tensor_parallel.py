@@ -29,6 +29,7 @@ from rlhf_fusion.testing.models import tiny_config  # noqa: E402
 # gradient differing in its last bits where it is near zero; the float32 run is in the loop
 # tests, under the loop's data-parallel bound.
 TOL = 1e-6
+DP_TP_CASES = ("llama-tied-actor", "gpt2-critic")
 
 
 @pytest.fixture(scope="module")
@@ -37,15 +38,35 @@ def tp_results():
     return [r.value for r in res]
 
 
+@pytest.fixture(scope="module")
+def dp_tp_results():
+    """4 ranks: two data-parallel replicas of a tp=2 model (gradients summed between the
+    ranks of equal tp index)."""
+    res = run_ranks(sharded_rank, 4, "dp_tp", "float64", DP_TP_CASES, timeout=600.0,
+                    collective_timeout=120.0)
+    return [r.value for r in res]
+
+
 @pytest.mark.parametrize("case", [c[0] for c in CASES])
 def test_tensor_parallel_training_equals_one_process(tp_results, case):
-    for rank_out in tp_results:
+    _check(tp_results, case)
+
+
+@pytest.mark.parametrize("case", DP_TP_CASES)
+def test_data_parallel_replicas_of_tensor_parallel_models_equal_one_process(dp_tp_results,
+                                                                            case):
+    _check(dp_tp_results, case)
+
+
+def _check(results, case) -> None:
+    for rank_out in results:
         got = rank_out[case]
         assert got["forward"] <= TOL, got
         assert got["params"] <= TOL, got
-        assert got["norms"] <= TOL, got
+        assert got["stats"] <= TOL, got  # losses and gradient norms
         assert got["moved"] > 1e-3, "training moved the weights"
         assert "DTensor" in got["sharded"]
+        assert got["reload"] == 0.0
 
 
 def test_gpt2_fused_qkv_order_gives_each_rank_its_own_heads():
