@@ -84,6 +84,38 @@ def test_plan_searched_at_start_equals_colocated(colocated, tmp_path):
     assert_same_run(colocated, res)
 
 
+KINDS = {"tp=2": ("tensor_parallel", "tensor_parallel"), "zero3": ("zero3", "zero3"),
+         "split": ("tensor_parallel", "zero3")}
+
+
+@pytest.mark.parametrize("name, override", [
+    # Two data-parallel replicas of a tp=2 Actor and Critic (DTensor Megatron plans), the
+    # generation and inference calls data parallel on all four ranks.
+    ("tp=2", {"actor_train": (0, 4, 2, 2, 1), "critic_train": (0, 4, 2, 2, 1)}),
+    # ZeRO-3 (FSDP2) Actor and Critic over all four ranks.
+    ("zero3", {"actor_train": (0, 4, 4, 1, 1, 3), "critic_train": (0, 4, 4, 1, 1, 3)}),
+    # tp=2 Actor on ranks 0-1 beside a ZeRO-3 Critic on ranks 2-3; generation on 0-1, so
+    # the Critic's gathered weights travel to the other ranks' inference copies.
+    ("split", {"actor_train": (0, 2, 1, 2, 1), "critic_train": (2, 2, 2, 1, 1, 3),
+               "actor_gen": (0, 2, 2, 1, 1), "critic_inf": (0, 2, 2, 1, 1)}),
+])
+def test_sharded_training_plans_equal_colocated(colocated, tmp_path, name, override):
+    """Tensor-parallel and ZeRO-3 training calls (torch's DTensor and FSDP2 engines) equal
+    the co-located run within the loop's data-parallel bound (float32 weights: the sums
+    over tp shards and data-parallel ranks run in another order than one device's)."""
+    from rlhf_fusion.loop.placement import placement_of
+
+    cfg = tiny(WORLD, micro_batches=MICRO,
+               placement=PlacementSection(plan=_plan_file(tmp_path, **override)))
+    assert placement_of(cfg).training_kinds() == KINDS[name]
+    res = run(cfg)
+    assert_same_run(colocated, res)
+    h = res["history"][-1]
+    assert h["realloc/bytes"] == h["realloc/min_bytes"]
+    if name == "split":   # whole Critic weights to ranks 0-1
+        assert h["realloc/bytes"] > 0
+
+
 def test_two_rank_disaggregated_generates_on_one_instance():
     base = run(tiny(2, inter=False, pipeline_stages=2, micro_batches=2))
     res = run(tiny(2, micro_batches=2, placement=PlacementSection(preset="disaggregated")))
@@ -133,10 +165,13 @@ def _plan_file(tmp_path, offload=(), **override) -> str:
 
 
 @pytest.mark.parametrize("override, message", [
-    ({"actor_train": (0, 4, 2, 2, 1)}, "tensor parallelism"),
+    ({"actor_gen": (0, 4, 2, 2, 1)}, "generation and inference on whole copies"),
+    ({"ref_inf": (0, 4, 4, 1, 1, 3)}, "generation and inference on whole copies"),
     ({"ref_inf": (0, 4, 2, 1, 2)}, "whole copies"),
     ({"actor_train": (0, 2, 1, 1, 2)}, "fused Actor/Critic pipeline over every rank"),
-    ({"actor_train": (0, 4, 4, 1, 1, 3)}, "ZeRO-3"),
+    ({"actor_train": (0, 4, 1, 2, 2), "critic_train": (0, 4, 1, 2, 2)},
+     "tensor parallelism inside the fused pipeline's stages is not executed"),
+    ({"actor_train": (0, 4, 2, 2, 1, 3)}, "ZeRO-3 \\(FSDP2\\) over a call's whole mesh only"),
 ])
 def test_unsupported_plans_are_rejected_with_the_reason(tmp_path, override, message):
     cfg = tiny(WORLD, micro_batches=MICRO,
@@ -260,8 +295,8 @@ def test_a_training_layout_the_worker_does_not_run_is_refused():
     cfg = tiny(1, inter=False, intra=False)
     lp = placement_of(cfg)
     calls = {**lp.calls, "actor_train": dataclasses.replace(lp.calls["actor_train"],
-                                                             kind="tensor_parallel")}
-    with pytest.raises(ValueError, match="training layout 'tensor_parallel'"):
+                                                             kind="expert_parallel")}
+    with pytest.raises(ValueError, match="training layout 'expert_parallel'"):
         PPOWorker(cfg, placement=dataclasses.replace(lp, calls=calls))
 
 

@@ -52,17 +52,23 @@ from ..rollout.inference import Experience, InferenceModels, merge_parts
 from ..rollout.local import LocalFusedRollout
 from ..rollout.rt_control import RtPlanner, TimedBackend, timed_scoring
 from ..rollout.types import SampleSpec
-from ..runtime.engine import clip_grad_norm_
 from ..runtime.fused import (
     ROLES,
     default_loss_fns,
     partition_rank,
     pipelined_step,
-    reference_step,
 )
 from ..runtime.microbatch import split_micro_batches
 from ..runtime.offload import HostOffload, OffloadSet
 from ..runtime.ppo import PPOConfig
+from ..runtime.sharded_state import full_state_dict
+from ..runtime.sharded_train import (
+    TrainLayout,
+    data_parallel_step,
+    layout_groups,
+    shard_for_training,
+)
+from ..runtime.tensor_parallel import TensorParallelError, check_tensor_parallel
 from ..runtime.weight_sync import (
     broadcast_parameters,
     full_state,
@@ -82,8 +88,10 @@ from .placement import (
     FUSED_PIPELINE,
     INFERENCE_CALLS,
     SYNC_TARGET,
+    TENSOR_PARALLEL,
     TRAIN_CALL,
     TRAINING_KINDS,
+    ZERO3,
     LoopPlacement,
     check_micro_batches,
     placement_of,
@@ -139,8 +147,15 @@ class PPOWorker:
             raise ValueError(f"world_size: the config says {cfg.world_size}, the process group "
                              f"has {self.world} ranks")
         self.placement = self._placement(placement)
-        # Every rank creates every group, in the same order (new_group is collective).
-        self.groups = {ranks: dist.new_group(list(ranks)) for ranks in self.placement.groups()}
+        # Every rank creates every group, in the same order (new_group is collective): the
+        # calls' rank sets, and the tensor-parallel and data-parallel groups inside sharded
+        # training calls.
+        every = tuple(range(self.world))
+        sets = set(self.placement.groups())
+        for role in ROLES:
+            if self._sharded(role):
+                sets |= set(layout_groups(self._train_layout(role))) - {every}
+        self.groups = {ranks: dist.new_group(list(ranks)) for ranks in sorted(sets)}
         self.models = models if models is not None else build_models(cfg.models)
         self.tokenizer = self.models.tokenizer
         self._scoring: list[tuple[int, float]] = []
@@ -182,6 +197,19 @@ class PPOWorker:
     def _group(self, ranks: tuple[int, ...]) -> Any:
         """The process group of ``ranks`` (the default group, ``None``, for every rank)."""
         return self.groups.get(ranks)
+
+    def _train_layout(self, role: str) -> TrainLayout:
+        lay = self.placement.layout(TRAIN_CALL[role])
+        return TrainLayout(lay.ranks, lay.dp, lay.tp, lay.zero)
+
+    def _sharded(self, role: str) -> bool:
+        """``role`` trains as DTensor shards (tensor parallel or ZeRO-3)."""
+        return self.placement.layout(TRAIN_CALL[role]).kind in (TENSOR_PARALLEL, ZERO3)
+
+    def _train_groups(self, role: str) -> dict[tuple[int, ...], Any]:
+        """The process groups of ``role``'s training layout (the whole world's included)."""
+        world = dist.group.WORLD
+        return {g: self.groups.get(g, world) for g in layout_groups(self._train_layout(role))}
 
     # -- set-up ----------------------------------------------------------------------------------
     def _setup_rollout(self) -> None:
@@ -236,9 +264,10 @@ class PPOWorker:
 
     def _setup_training(self) -> None:
         lp, m = self.placement, self.models
-        if lp.training_kind not in TRAINING_KINDS:
-            raise ValueError(f"placement {lp.name}: training layout {lp.training_kind!r}; the "
-                             f"loop runs {', '.join(TRAINING_KINDS)}")
+        for kind in lp.training_kinds():
+            if kind not in TRAINING_KINDS:
+                raise ValueError(f"placement {lp.name}: training layout {kind!r}; the "
+                                 f"loop runs {', '.join(TRAINING_KINDS)}")
         if lp.fused_training:
             actor, critic = lp.layout("actor_train"), lp.layout("critic_train")
             problem = fused_problem(stage_groups=lp.stage_groups,
@@ -252,10 +281,18 @@ class PPOWorker:
         else:
             params = {}
             for role, call in TRAIN_CALL.items():
-                if self._holds(call):
-                    params[role] = list(getattr(m, role).parameters())
-                else:
+                if not self._holds(call):
                     setattr(m, role, None)  # trained elsewhere
+                    continue
+                if self._sharded(role):
+                    lay = self._train_layout(role)
+                    try:
+                        check_tensor_parallel(getattr(m, role).config, lay.tp, f"models.{role}")
+                    except TensorParallelError as exc:
+                        raise LoopConfigError(f"placement {lp.name}: {exc}") from None
+                    shard_for_training(getattr(m, role), role, lay, self.rank,
+                                       self._train_groups(role), self.device)
+                params[role] = list(getattr(m, role).parameters())
         self.optimizers = self._optimizers(params)
 
     def _optimizers(self, params: dict[str, list[torch.nn.Parameter]]
@@ -345,13 +382,14 @@ class PPOWorker:
 
         def layout(call: str) -> Layout:
             lay = self.placement.layout(call)
-            return Layout(mesh_from_ranks(cluster, lay.ranks), ParallelStrategy(lay.dp, 1, 1))
+            return Layout(mesh_from_ranks(cluster, lay.ranks),
+                          ParallelStrategy(len(lay.ranks), 1, 1))
 
         moved = minimum = 0
         for role in ROLES:
             train, target = TRAIN_CALL[role], SYNC_TARGET[role]
-            local = (dict(getattr(self.models, role).named_parameters())
-                     if self._holds(train) else None)
+            local = (self._whole_weights(role) if self._holds(train) else None)
+            # A sharded layout's ranks each hold whole weights once gathered: whole copies.
             res = execute(self._tables[role], layout(train), layout(target), local, cluster,
                           device=self.device, timeout=self.cfg.fusion.timeout_s)
             moved += res.bytes
@@ -359,6 +397,15 @@ class PPOWorker:
             if res.shard is not None:
                 self._load(role, self._sync_dst(role), res.shard)
         return {"realloc/bytes": float(moved), "realloc/min_bytes": float(minimum)}
+
+    def _whole_weights(self, role: str) -> dict[str, Tensor]:
+        """``role``'s trained weights, whole, on a rank that trains it: a sharded layout
+        gathers them (a collective over the call's ranks: every one of them asks, in the
+        same order)."""
+        model = getattr(self.models, role)
+        if self._sharded(role):
+            return full_state_dict(model)
+        return dict(model.named_parameters())
 
     def _sync_dst(self, role: str) -> torch.nn.Module | None:
         """The copy ``role``'s weights go to (a vLLM engine holds its own: ``None``)."""
@@ -613,33 +660,9 @@ class PPOWorker:
 
     def _dp_step(self, role: str, call: str, mbs: Sequence[dict[str, Tensor]],
                  loss_fns: dict[str, Any]) -> dict[str, float]:
-        lay = self.placement.layout(call)
-        per = len(mbs) // lay.dp
-        i = lay.index(self.rank)
-        model = getattr(self.models, role)
-        out = reference_step({role: model}, mbs[i * per: (i + 1) * per], None, loss_fns,
-                             loss_denominator=len(mbs), step=False, roles=(role,))
-        group = self._group(lay.ranks)
-        grads = [q.grad for q in model.parameters() if q.grad is not None]
-        if lay.dp > 1:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat, group=group)
-            off = 0
-            for g in grads:
-                g.copy_(flat[off: off + g.numel()].view_as(g))
-                off += g.numel()
-        stats = out["stats"][role]
-        keys = sorted(stats)
-        vals = torch.tensor([stats[k] for k in keys], dtype=torch.float64)
-        if lay.dp > 1:
-            dist.all_reduce(vals, group=group)
-        norm = clip_grad_norm_(model.parameters(), self.cfg.ppo.max_grad_norm)
-        opt = self.optimizers[role]
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        res = {f"{role}/{k}": float(v) for k, v in zip(keys, vals)}
-        res[f"{role}/grad_norm"] = float(norm)
-        return res
+        return data_parallel_step(getattr(self.models, role), role, self._train_layout(role),
+                                  self.rank, mbs, loss_fns, self.optimizers[role],
+                                  self._train_groups(role), self.cfg.ppo.max_grad_norm)
 
     def mini_batches(self, batch: dict[str, Tensor], iteration: int, micro_batches: int
                      ) -> Iterator[list[dict[str, Tensor]]]:
@@ -738,8 +761,9 @@ class PPOWorker:
         out: dict[str, Tensor] = {}
         if self.fused is None:   # whole copies: each training call's first rank saves
             for role in self.placement.trains(self.rank):
+                whole = self._whole_weights(role)   # every holder: a sharded one gathers
                 if self.placement.leads(role, self.rank):
-                    for k, v in getattr(self.models, role).named_parameters():
+                    for k, v in whole.items():
                         out[f"{role}.{k}"] = v.detach().clone()
             return out
         for role, st in self.fused.stages.items():

@@ -32,8 +32,18 @@ micro-batches; what runs a model in parallel inside a replica (a Critic's copies
 pipeline, the data-parallel ranks of a call) shares the replica's micro-batches, so
 ``micro_batches`` is a multiple of their count (:func:`check_micro_batches`, the one check).
 
-Tensor parallelism and ZeRO-3 are not executed (``tp`` must be 1), nor pipelines for inference
-calls or for one model alone; such plans are rejected with the reason.
+A training call with ``tp > 1`` (``pp = 1``) is ``tensor_parallel``: ``dp`` groups of ``tp``
+consecutive ranks, each group one model split by torch's DTensor Megatron plans
+(:mod:`rlhf_fusion.runtime.tensor_parallel`), gradients all-reduced between the groups; one
+with ``zero = 3`` (``tp = pp = 1``) is ``zero3``: FSDP2 ``fully_shard`` over the call's ranks
+(:mod:`rlhf_fusion.runtime.fsdp`). Their weights reach the generation and Critic-inference
+copies gathered whole on the training ranks first (:mod:`rlhf_fusion.runtime.sharded_state`),
+then by the same reallocation.
+
+Not executed, and rejected with the reason: generation and inference with ``tp > 1``,
+``pp > 1`` or ZeRO-3 (they run whole copies); tensor parallelism inside the fused pipeline's
+stages (``tp > 1`` with ``pp > 1``); ZeRO-3 with ``tp > 1`` or ``pp > 1``; pipelines for one
+model alone.
 """
 
 from __future__ import annotations
@@ -57,7 +67,10 @@ INFERENCE_CALLS = tuple(c for c in CALLS if CALL_KIND[c] == "inference")
 # ZeRO-3) is a new value here and its branch in the worker, not a new worker.
 DATA_PARALLEL = "data_parallel"     # whole copies; training all-reduces their gradients
 FUSED_PIPELINE = "fused_pipeline"   # the fused Actor/Critic pipeline (training calls only)
-TRAINING_KINDS = (DATA_PARALLEL, FUSED_PIPELINE)
+# Training calls only, torch's own engines (rlhf_fusion.runtime.sharded_train):
+TENSOR_PARALLEL = "tensor_parallel"   # dp groups of tp ranks, DTensor Megatron plans
+ZERO3 = "zero3"                       # FSDP2 fully_shard over the call's ranks
+TRAINING_KINDS = (DATA_PARALLEL, FUSED_PIPELINE, TENSOR_PARALLEL, ZERO3)
 
 # Where each trained model's weights go after a round (the Critic-inference copy is the model
 # ``critic_inf`` scores with; the Actor's generation copy lives in the backend).
@@ -72,12 +85,15 @@ class PlacementConfigError(ValueError):
 
 @dataclass(frozen=True)
 class CallLayout:
-    """One call on its ranks: ``dp * pp`` of them, laid out as ``kind``."""
+    """One call on its ranks: ``dp * tp * pp`` of them, laid out as ``kind`` (``zero``: 3
+    for ZeRO-3)."""
 
     ranks: tuple[int, ...]
     dp: int
     pp: int = 1
     kind: str = DATA_PARALLEL
+    tp: int = 1
+    zero: int = 0
 
     def index(self, rank: int) -> int:
         """This rank's data-parallel index in the call (ranks in order)."""
@@ -137,8 +153,14 @@ class LoopPlacement:
 
     @property
     def training_kind(self) -> str:
-        """The layout both training calls run in (resolution keeps them one kind)."""
+        """``fused_pipeline`` when both training calls run the fused pipeline (resolution
+        never mixes it with another kind); otherwise the Actor's kind: each training call
+        then runs its own kind of data-parallel step (:meth:`training_kinds`)."""
         return self.calls["actor_train"].kind
+
+    def training_kinds(self) -> tuple[str, ...]:
+        """The kinds of the two training calls (Actor, Critic)."""
+        return tuple(self.calls[c].kind for c in TRAIN_CALL.values())
 
     @property
     def fused_training(self) -> bool:
@@ -177,7 +199,7 @@ class LoopPlacement:
         return sorted({lay.ranks for lay in self.calls.values()} - {every})
 
     def describe(self) -> str:
-        rows = [f"{c:<12} ranks {list(lay.ranks)} dp={lay.dp} pp={lay.pp}"
+        rows = [f"{c:<12} ranks {list(lay.ranks)} dp={lay.dp} tp={lay.tp} pp={lay.pp}"
                 + (f" {lay.kind}" if lay.kind != DATA_PARALLEL else "")
                 for c, lay in self.calls.items()]
         if self.offload:
@@ -313,38 +335,22 @@ def resolve(preset: str | None, plan: str | Path | None, world_size: int,
                     f"placement.plan {plan}: the plan is for {cluster.size} devices but "
                     f"world_size is {world_size}; plan for a cluster of {world_size} devices")
             ep = ExecutionPlan.from_dict(raw, cluster)
-            zero = [c for c in CALLS if ep.calls[c].strategy.zero]
-            if zero:
-                raise PlacementConfigError(
-                    f"placement.plan {plan}: {zero} use ZeRO-3 (zero=3), which the loop does "
-                    "not execute; plan with parallelism: megatron (the default) to run it here")
             calls = {c: (tuple(ep.calls[c].mesh.ranks), ep.calls[c].strategy.dp,
-                         ep.calls[c].strategy.tp, ep.calls[c].strategy.pp) for c in CALLS}
+                         ep.calls[c].strategy.tp, ep.calls[c].strategy.pp,
+                         ep.calls[c].strategy.zero) for c in CALLS}
             name = ep.name or Path(plan).stem
             offload = ep.offload
         else:
             meshes = cluster_meshes(cluster, preset_placement(preset, inference_fraction))
-            calls = {c: (tuple(meshes[c].ranks), meshes[c].size, 1, 1) for c in CALLS}
+            calls = {c: (tuple(meshes[c].ranks), meshes[c].size, 1, 1, 0) for c in CALLS}
             name, offload = preset, ()
         for ranks, *_rest in calls.values():
             mesh_from_ranks(cluster, ranks)   # a legal mesh of the node
     except PlacementError as exc:
         raise PlacementConfigError(f"placement: {exc}") from exc
     out = {}
-    for c, (ranks, dp, tp, pp) in calls.items():
-        if tp != 1:
-            raise PlacementConfigError(
-                f"placement: {c} has tp={tp}; the loop does not execute tensor parallelism. "
-                "Plan with tp=1 (data and pipeline parallelism)")
-        if dp * pp != len(ranks):
-            raise PlacementConfigError(f"placement: {c} has dp*pp={dp * pp} on {len(ranks)} "
-                                       "ranks; dp*tp*pp must equal the mesh size")
-        if pp > 1 and c not in TRAIN_CALL.values():
-            raise PlacementConfigError(
-                f"placement: {c} has pp={pp}; the loop runs generation and inference on whole "
-                "copies (pp=1)")
-        kind = FUSED_PIPELINE if pp > 1 else DATA_PARALLEL
-        out[c] = CallLayout(tuple(ranks), dp, pp, kind)
+    for c, (ranks, dp, tp, pp, zero) in calls.items():
+        out[c] = _call_layout(c, tuple(ranks), dp, tp, pp, zero)
     a, cr = out["actor_train"], out["critic_train"]
     if (a.pp > 1 or cr.pp > 1) and (a.ranks != cr.ranks or a.pp != cr.pp
                                     or len(a.ranks) != world_size):
@@ -354,6 +360,38 @@ def resolve(preset: str | None, plan: str | Path | None, world_size: int,
             "Actor/Critic pipeline over every rank (both calls on all ranks, the same pp); "
             "use pp=1 (data parallel) otherwise")
     return LoopPlacement(name, out, world_size, tuple(offload))
+
+
+def _call_layout(c: str, ranks: tuple[int, ...], dp: int, tp: int, pp: int, zero: int
+                 ) -> CallLayout:
+    """What runs call ``c`` with strategy ``(dp, tp, pp, zero)`` on ``ranks``, or the reason
+    the loop does not run it."""
+    if dp * tp * pp != len(ranks):
+        raise PlacementConfigError(f"placement: {c} has dp*tp*pp={dp * tp * pp} on "
+                                   f"{len(ranks)} ranks; dp*tp*pp must equal the mesh size")
+    train = c in TRAIN_CALL.values()
+    if not train and (tp > 1 or pp > 1 or zero):
+        raise PlacementConfigError(
+            f"placement: {c} has tp={tp} pp={pp} zero={zero}; the loop runs generation and "
+            "inference on whole copies (tp=1, pp=1, no ZeRO): their weights are gathered from "
+            "the training layout after each round. Plan them with tp=1, pp=1 and zero=0 "
+            "(parallelism: megatron)")
+    if tp > 1 and pp > 1:
+        raise PlacementConfigError(
+            f"placement: {c} has tp={tp} and pp={pp}; tensor parallelism inside the fused "
+            "pipeline's stages is not executed (its engine runs one rank per stage: the "
+            "point-to-point sends, gradient groups and tied-embedding sums pair stages rank "
+            "by rank, not tp group by tp group). Plan tp > 1 with pp=1, or pp > 1 with tp=1")
+    if zero == 3 and (tp > 1 or pp > 1):
+        raise PlacementConfigError(
+            f"placement: {c} has zero=3 with tp={tp} pp={pp}; the loop runs ZeRO-3 (FSDP2) "
+            "over a call's whole mesh only. Plan zero=3 with tp=1 and pp=1")
+    if zero not in (0, 3) and zero:
+        raise PlacementConfigError(f"placement: {c} has zero={zero}; the loop runs zero=0 "
+                                   "or zero=3")
+    kind = (FUSED_PIPELINE if pp > 1 else TENSOR_PARALLEL if tp > 1
+            else ZERO3 if zero == 3 else DATA_PARALLEL)
+    return CallLayout(ranks, dp, pp, kind, tp, zero)
 
 
 def search_plan(cfg: RLHFConfig, prompt_len: float, out: str | Path) -> str:
