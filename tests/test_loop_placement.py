@@ -180,6 +180,14 @@ def test_unsupported_plans_are_rejected_with_the_reason(tmp_path, override, mess
         cfg.validate()
 
 
+def test_a_tp_that_does_not_split_the_heads_is_rejected_before_start(tmp_path):
+    """The tiny models have 2 key/value heads: tp=4 cannot give each rank its own."""
+    path = _plan_file(tmp_path, actor_train=(0, 4, 1, 4, 1))
+    with pytest.raises(LoopConfigError, match=r"actor_train tp=4\): tp=4 does not divide its "
+                                              r"key/value heads \(2\)"):
+        tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(plan=path)).validate()
+
+
 def test_bad_placements_are_rejected_before_start(tmp_path):
     with pytest.raises(LoopConfigError, match="unknown placement preset"):
         tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(preset="spread")).validate()

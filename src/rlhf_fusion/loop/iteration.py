@@ -68,7 +68,6 @@ from ..runtime.sharded_train import (
     layout_groups,
     shard_for_training,
 )
-from ..runtime.tensor_parallel import TensorParallelError, check_tensor_parallel
 from ..runtime.weight_sync import (
     broadcast_parameters,
     full_state,
@@ -284,14 +283,9 @@ class PPOWorker:
                 if not self._holds(call):
                     setattr(m, role, None)  # trained elsewhere
                     continue
-                if self._sharded(role):
-                    lay = self._train_layout(role)
-                    try:
-                        check_tensor_parallel(getattr(m, role).config, lay.tp, f"models.{role}")
-                    except TensorParallelError as exc:
-                        raise LoopConfigError(f"placement {lp.name}: {exc}") from None
-                    shard_for_training(getattr(m, role), role, lay, self.rank,
-                                       self._train_groups(role), self.device)
+                if self._sharded(role):   # (tp checked against the model by validate)
+                    shard_for_training(getattr(m, role), role, self._train_layout(role),
+                                       self.rank, self._train_groups(role), self.device)
                 params[role] = list(getattr(m, role).parameters())
         self.optimizers = self._optimizers(params)
 

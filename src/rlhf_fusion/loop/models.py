@@ -295,10 +295,11 @@ def check_sources(cfg: RLHFConfig, placement: LoopPlacement | None = None) -> No
         raise LoopConfigError(f"{field}: its tokenizer cannot be loaded: "
                               f"{_first_line(exc)}") from None
     layers: dict[str, int] = {}
+    configs: dict[str, Any] = {}
     for name, src in sources.items():
         if src is None:
             continue
-        config = source_config(name, src, vocab)
+        config = configs[name] = source_config(name, src, vocab)
         try:
             with torch.device("meta"):
                 model = AutoModelForCausalLM.from_config(config)
@@ -311,6 +312,23 @@ def check_sources(cfg: RLHFConfig, placement: LoopPlacement | None = None) -> No
             raise LoopConfigError(f"{name}: {exc}") from None
     _check_stages(cfg, placement, layers["models.actor"],
                   layers.get("models.critic", layers["models.actor"]))
+    if placement is not None:
+        _check_tensor_parallel(placement, configs["models.actor"],
+                               configs.get("models.critic", configs["models.actor"]))
+
+
+def _check_tensor_parallel(placement: LoopPlacement, actor: Any, critic: Any) -> None:
+    """A tensor-parallel training call's tp divides its model's heads, key/value heads and
+    MLP width (named, with the fix)."""
+    from ..runtime.tensor_parallel import TensorParallelError, check_tensor_parallel
+
+    for role, config in (("actor", actor), ("critic", critic)):
+        tp = placement.calls[f"{role}_train"].tp
+        try:
+            check_tensor_parallel(config, tp, f"models.{role} (placement {placement.name}, "
+                                  f"{role}_train tp={tp})")
+        except TensorParallelError as exc:
+            raise LoopConfigError(str(exc)) from None
 
 
 def _check_stages(cfg: RLHFConfig, placement: LoopPlacement | None, actor_layers: int,
