@@ -19,6 +19,10 @@ Writes ``benchmarks/results/placement_measured.json``, ``.md`` and
 
     OMP_NUM_THREADS=1 python benchmarks/placement_measured.py            # ~3 min
     OMP_NUM_THREADS=1 python benchmarks/placement_measured.py --quick    # 2 plans, 1 repeat
+    OMP_NUM_THREADS=1 python benchmarks/placement_measured.py --real     # tp / ZeRO-3, real
+
+``--real`` runs the tensor-parallel and ZeRO-3 plans for real instead (the loop's training
+on DTensor and FSDP2, not slept): ``benchmarks/placement_real.py``.
 """
 
 from __future__ import annotations
@@ -330,9 +334,17 @@ def main(argv: list[str] | None = None) -> int:
                     help="wait (up to --patience s) for the 1-minute load average below this")
     ap.add_argument("--patience", type=float, default=600.0)
     ap.add_argument("--out", type=Path, default=RESULTS)
+    ap.add_argument("--real", action="store_true",
+                    help="instead: run the tensor-parallel and ZeRO-3 plans for real through "
+                         "the loop (benchmarks/placement_real.py) and write "
+                         "placement_measured_real.json/.md")
     ap.add_argument("--markdown-only", action="store_true",
                     help="rewrite the .md (and its notes) from the .json of the last run")
     args = ap.parse_args(argv)
+    if args.real:
+        from placement_real import main_real
+
+        return main_real(args.out, machine())
     if args.markdown_only:
         path = args.out / ("placement_measured" + ("_quick" if args.quick else "") + ".json")
         rep = json.loads(path.read_text())
