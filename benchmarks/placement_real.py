@@ -273,8 +273,8 @@ def notes(rep: dict[str, Any]) -> list[str]:
     rows = {r["plan"]: r for r in rep["rows"]}
     dp = rows["data parallel"]
     out = ["## Reading the figures",
-           f"- **The machine, not a layout, sets the absolute ratio.** The data-parallel plan "
-           f"(no DTensor, no FSDP) measures {dp['ratio']['training']:.2f}x its predicted "
+           f"- **The data-parallel plan's ratio is this machine's factor.** That plan (no "
+           f"DTensor, no FSDP) measures {dp['ratio']['training']:.2f}x its predicted "
            "training time. The profiles are timed in one process at one moment; the loop "
            "runs two processes on one thread each, on 2 cores that other jobs share (load "
            f"average {rep['load_before']:.1f} before, {rep['load_after']:.1f} after). The "
