@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from rlhf_fusion.loop import (
-    FusionConfig,
+    FusionLoopConfig,
     GenerationConfig,
     ModelsConfig,
     PlacementSection,
@@ -73,7 +73,7 @@ def config(plan: str | None, iterations: int = ITERATIONS) -> RLHFConfig:
                                     seed=0),
         ppo=PPOLoopConfig(num_ppo_epochs=EPOCHS, num_mini_batches=MINI, micro_batches=MICRO,
                           learning_rate=1e-4),
-        fusion=FusionConfig(inter=False, intra=False, timeout_s=300.0),
+        fusion=FusionLoopConfig(inter=False, intra=False, timeout_s=300.0),
         placement=PlacementSection(plan=plan), world_size=WORLD, iterations=iterations)
 
 
