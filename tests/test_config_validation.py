@@ -242,7 +242,8 @@ def test_a_config_without_prompts_says_it_uses_the_demos(tmp_path, monkeypatch, 
     import rlhf_fusion.loop as loop
 
     seen = {}
-    monkeypatch.setattr(loop, "train", lambda cfg, prompts, **kw: seen.update(n=len(prompts)))
+    monkeypatch.setattr(loop, "train",
+                        lambda cfg, prompts, **kw: seen.update(n=len(prompts)) or {})
     (tmp_path / "run.yaml").write_text(yaml.safe_dump(BASE))
     assert cli.main(["train", str(tmp_path / "run.yaml"), "--out", str(tmp_path / "o")]) == 0
     err = capsys.readouterr().err
