@@ -60,10 +60,13 @@ from rlhf_fusion.runtime.emulate import local_hardware, measure_links
 
 WORLD = 2
 ITERATIONS = 4          # the first is warm-up (first allocations, first gathers)
-REPEATS = 2             # rounds over the plans, in alternating order
+REPEATS = 3             # rounds over the plans, in alternating order
+LAUNCHES = 3            # the layout profiles: medians over this many starts of the processes
 BATCH, GEN_LEN, MINI, EPOCHS, MICRO = 16, 32, 2, 2, 2
 MODEL = {"family": "llama", "layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2}
 BAR = 0.20
+# The training layouts of the plans below, (dp, tp, zero): profiled on WORLD ranks as they run.
+LAYOUTS = [(WORLD, 1, 0), (1, WORLD, 0), (WORLD, 1, 3)]
 
 
 def config(plan: str | None, iterations: int = ITERATIONS) -> RLHFConfig:
@@ -164,7 +167,8 @@ def run_real(out: Path) -> dict[str, Any]:
                         gpus_per_node=WORLD)
     with tempfile.TemporaryDirectory() as tmp:
         profiles = profile_models(model_configs(cfg0.models), seq_len=round(prompt_len)
-                                  + GEN_LEN, out=Path(tmp) / "profiles")
+                                  + GEN_LEN, out=Path(tmp) / "profiles",
+                                  layouts=LAYOUTS, world=WORLD, launches=LAUNCHES)
         prob = problem(cfg0, hw, prompt_len, profiles)
         est = Estimator(prob)
         runs: dict[str, list[dict[str, float]]] = {}

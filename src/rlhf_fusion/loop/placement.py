@@ -50,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -424,14 +424,22 @@ def search_plan(cfg: RLHFConfig, prompt_len: float, out: str | Path) -> str:
     return str(path)
 
 
-def profile_models(configs: Mapping[str, Any], seq_len: int, out: Path) -> dict[str, Any]:
+def profile_models(configs: Mapping[str, Any], seq_len: int, out: Path,
+                   layouts: Sequence[tuple[int, int, int]] = (), world: int = 1,
+                   launches: int = 1) -> dict[str, Any]:
     """Per model role, its decoder layers' forward/backward times measured where the loop
     computes (:func:`rlhf_fusion.runtime.layer_profile.profile_layers`, random weights from
     the source's config; Actor and Ref with their vocabulary head, Critic and Reward as
     backbones), written to ``out/ROLE.json``; one measurement per distinct network and head
-    (a role that shares its source's config shares the measurement)."""
+    (a role that shares its source's config shares the measurement).
+
+    ``layouts`` (``(dp, tp, zero)``, on ``world`` local ranks): the Actor's and the Critic's
+    training passes and steps measured in those layouts as the loop trains them
+    (:func:`rlhf_fusion.runtime.layout_profile.profile_layouts`), in the profile's
+    ``layouts`` section, each figure the median over ``launches`` starts of the processes."""
     from ..placement import Profile
     from ..runtime.layer_profile import profile_config
+    from .models import build_causal_lm, build_value_model
 
     rows = min(seq_len, 512)
     tokens = [rows * k for k in (1, 2, 4, 8)]
@@ -447,7 +455,14 @@ def profile_models(configs: Mapping[str, Any], seq_len: int, out: Path) -> dict[
             # The loop's processes compute on the CPU, in float32.
             done[key] = profile_config(conf, lm_head=lm, tokens=tokens, seq_len=rows,
                                        repeats=2, device="cpu")
-        prof = done[key]
+        prof = dict(done[key])
+        if layouts and role in ("actor", "critic"):
+            from ..runtime.layout_profile import profile_layouts
+
+            build = build_causal_lm if role == "actor" else build_value_model
+            prof["layouts"] = profile_layouts(conf, role, build, layouts, world=world,
+                                              tokens=tokens, seq_len=rows,
+                                              launches=launches)["layouts"]
         (out / f"{role}.json").write_text(json.dumps(prof, indent=1) + "\n")
         profiles[role] = Profile.from_dict(prof, f"profile of {role}")
     return profiles

@@ -19,7 +19,12 @@ layout instead, whose reallocation node is the engine's gather). Like the gradie
 above, the gathers are not overlapped with compute (an upper bound on ZeRO's prefetch).
 
 ``Profile`` replaces the FLOP-based forward/backward time of a layer by measured times over
-power-of-two token counts, interpolated log-log.
+power-of-two token counts, interpolated log-log. A training call whose layout (dp, tp, ZeRO-3;
+pp 1) the profile measured on its ranks (``Profile.layout``) is costed from that measurement
+alone, micro-batch by micro-batch: per micro-batch its layers' forward and backward and the
+rest of the pass, with the layout's communication inside them (tp all-reduces, FSDP gathers
+and reduce-scatters, as ReaLHF profiles a layer with "associated communication"), and per
+mini-batch the step's measured extra seconds (gradient sync, clipping, the optimizer).
 
 Memory (bytes per GPU): static is what lives between calls (a trainable model's bf16 weights,
 gradients and its share of fp32 Adam state, sharded over data-parallel ranks as Megatron's
@@ -172,7 +177,7 @@ class CostModel:
         m = self.model(call)
         prof = self.profiles.get(CALL_MODEL[call])
         layers = m.layers / s.pp
-        if prof is not None:
+        if prof is not None and prof.forward:
             tok = tokens_per_gpu_replica / s.tp
             f = prof.layer_forward(tok)
             rest = prof.rest(tok, backward=False)
@@ -189,12 +194,27 @@ class CostModel:
         mfu = hw.train_mfu if backward else hw.infer_mfu
         return flops * m.params / s.pp * tokens_per_gpu_replica / (s.tp * hw.flops * mfu)
 
+    def measured_layout(self, call: str, s: ParallelStrategy) -> Profile | None:
+        """The profile of ``call``'s model measured in layout ``s`` on its ranks, if any."""
+        prof = self.profiles.get(CALL_MODEL[call])
+        if prof is None or s.pp > 1:
+            return None
+        return prof.layout(s.dp, s.tp, s.zero)
+
     def train_time(self, call: str, mesh: DeviceMesh, s: ParallelStrategy) -> float:
         m, hw, p = self.model(call), self.hw(mesh), self.p
         steps = p.ppo_minibatches * p.ppo_epochs
         per_step = p.batch / p.ppo_minibatches / s.dp            # samples per replica
         mbs = min(self.micro_batch(), max(1, int(per_step)))
         mb = max(1, math.ceil(per_step / mbs))                     # micro-batches per step
+        lay = self.measured_layout(call, s)
+        if lay is not None:
+            tok = mbs * p.seq_len
+            f, b = lay.layer_forward(tok), lay.layer_backward(tok)
+            one = (m.layers * (f + b + (f if p.gradient_checkpointing else 0.0))
+                   + lay.rest(tok, backward=False) + lay.rest(tok, backward=True))
+            return steps * (mb * one
+                            + lay.step_seconds(self.trainable_params(CALL_MODEL[call])))
         tokens = per_step * p.seq_len                              # per replica per step
         compute = self._layer_compute(call, tokens, s, hw, backward=True)
         n_ar = 6 if p.gradient_checkpointing else 4

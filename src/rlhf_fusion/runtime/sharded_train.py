@@ -19,6 +19,7 @@ gradient sum, then one clipped optimizer step: the arithmetic of one device.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -100,15 +101,21 @@ def data_parallel_step(model: nn.Module, role: str, layout: TrainLayout, rank: i
                        micro_batches: Sequence[Mapping[str, Tensor]],
                        loss_fns: Mapping[str, Callable], optimizer: torch.optim.Optimizer,
                        groups: Mapping[tuple[int, ...], dist.ProcessGroup],
-                       max_grad_norm: float | None) -> dict[str, float]:
+                       max_grad_norm: float | None,
+                       timings: dict[str, float] | None = None) -> dict[str, float]:
     """One mini-batch of ``micro_batches`` for ``role`` on ``layout``: this rank's share (its
     data-parallel index's consecutive run), gradients summed over the data-parallel ranks,
     one clipped optimizer step. Returns ``{role/stat: mini-batch sum}`` and ``role/grad_norm``.
+    ``timings``, when given, gets ``passes_s``: the seconds of the forward and backward passes
+    (what the step adds is the rest: the layout profiler's measurement).
     """
     per = len(micro_batches) // layout.dp
     i = layout.dp_index(rank)
+    t0 = time.perf_counter()
     out = reference_step({role: model}, micro_batches[i * per: (i + 1) * per], None, loss_fns,
                          loss_denominator=len(micro_batches), step=False, roles=(role,))
+    if timings is not None:
+        timings["passes_s"] = time.perf_counter() - t0
     dp_group = groups[layout.dp_ranks(rank)] if layout.dp > 1 else None
     if dp_group is not None and layout.zero != 3:   # FSDP's reduce-scatter summed them
         grads = [_local(q.grad) for q in model.parameters() if q.grad is not None]
