@@ -344,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.real:
         from placement_real import main_real
 
-        return main_real(args.out, machine())
+        return main_real(args.out, machine(), wait_for_quiet(args.max_load, args.patience))
     if args.markdown_only:
         path = args.out / ("placement_measured" + ("_quick" if args.quick else "") + ".json")
         rep = json.loads(path.read_text())

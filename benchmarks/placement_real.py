@@ -2,16 +2,26 @@
 
 ``placement_measured.py --real`` imports this. Each plan runs ``rlhf_fusion.loop.train`` on
 ``WORLD`` local gloo processes: real generation, scoring and PPO training, the training calls
-on torch's DTensor (tp=2) or FSDP2 (ZeRO-3) engines. The prediction is the placement
-estimator's for the same plan and problem, with the Actor's and Critic's layers profiled on
-this CPU first (``placement.profile``'s :func:`~rlhf_fusion.loop.placement.profile_models`,
-one thread as each rank has) and the link figures of this machine's gloo (bandwidth halved:
-the loop moves float32, the planner counts bf16 bytes).
+on torch's DTensor (tp=2) or FSDP2 (ZeRO-3) engines, or whole copies (data parallel).
 
-Compared per part, from the loop's own metrics (median over the iterations after the first):
+The prediction is the placement estimator's for the same plan and problem, from profiles
+measured on this machine before the runs (ReaLHF's profiling-assisted estimator):
 
-* ``training``: ``time/training`` against ``actor_train + critic_train`` (both calls on the
-  same ranks, one after the other);
+* every role's decoder layers on one process (``profile_models``, as ``rlhf-fusion
+  profile-layers``);
+* the Actor's and the Critic's training in each plan's layout on its ``WORLD`` ranks, as the
+  loop trains (``runtime.layout_profile``): per micro-batch the layers' forward and backward
+  with the layout's communication inside (tp all-reduces, FSDP gathers and reduce-scatters),
+  the rest of a pass, what a mini-batch step adds (gradient sync, clipping, AdamW), and for a
+  sharded layout the gather of whole weights its weight sync starts with; each figure the
+  median over ``LAUNCHES`` starts of the processes;
+* the gloo link (bandwidth halved: the loop moves float32, the planner counts bf16 bytes).
+
+Compared per part, from the loop's own metrics (median over the iterations after the first
+of every run, ``REPEATS`` runs per plan in alternating order):
+
+* ``training`` (the bar): ``time/training`` against ``actor_train + critic_train`` (both
+  calls on the same ranks, one after the other);
 * ``weight sync``: ``time/weight_sync`` against the plan's reallocation nodes;
 * the whole iteration: ``time/iteration`` against the estimator's iteration time. Generation
   and scoring are costed for GPUs (decode steps reading the weights from HBM, prefill at a
@@ -107,51 +117,20 @@ def problem(cfg: RLHFConfig, hw: Any, prompt_len: float, profiles: dict[str, Any
                             profiles=profiles)
 
 
-def _engine_rank(rank: int, world: int) -> dict[str, float]:
-    """One micro-batch's forward + backward of the benchmark's Actor on this rank: a whole
-    copy, the tp=2 model (DTensor) and the ZeRO-3 model (FSDP2); and a small all-reduce."""
-    import copy
-
-    import torch.distributed as dist
-
-    from rlhf_fusion.loop.models import build_causal_lm
-    from rlhf_fusion.runtime.sharded_train import TrainLayout, layout_groups, shard_for_training
-
-    conf = model_configs(config(None).models)["actor"]
-    base = build_causal_lm(conf, seed=0).train()
-    ids = torch.randint(2, conf.vocab_size, (BATCH // MINI // MICRO, 52))
-    out = {}
-    y = torch.zeros(8)
-    for _ in range(10):
-        dist.all_reduce(y)
-    t = time.perf_counter()
-    for _ in range(200):
-        dist.all_reduce(y)
-    out["allreduce_small_ms"] = (time.perf_counter() - t) / 200 * 1e3
-    ranks = tuple(range(world))
-    for kind, lay in (("whole", None), ("tp=2", TrainLayout(ranks, 1, world)),
-                      ("ZeRO-3", TrainLayout(ranks, world, 1, 3))):
-        model = copy.deepcopy(base)
-        if lay is not None:
-            groups = {g: dist.group.WORLD for g in layout_groups(lay)}
-            shard_for_training(model, "actor", lay, rank, groups, torch.device("cpu"))
-        for i in range(7):
-            if i == 2:
-                t = time.perf_counter()
-            model(input_ids=ids).logits.sum().backward()
-        out[f"{kind}_fwd_bwd_ms"] = (time.perf_counter() - t) / 5 * 1e3
+def profile_summary(profiles: dict[str, Any], prob: PlacementProblem) -> dict[str, Any]:
+    """Per trained role and profiled layout, at the loop's micro-batch: one pass (forward +
+    backward, every layer and the rest), what a step adds and the gather, in seconds."""
+    out: dict[str, Any] = {}
+    tok = prob.micro_batch_tokens
+    for role in ("actor", "critic"):
+        m = prob.models[role]
+        for key, lay in profiles[role].layouts.items():
+            out.setdefault(role, {})[key] = {
+                "pass_s": m.layers * (lay.layer_forward(tok) + lay.layer_backward(tok))
+                + lay.rest(tok, backward=False) + lay.rest(tok, backward=True),
+                "step_s": lay.step_seconds(m.params),
+                "gather_s": lay.gather_seconds(m.params) if lay.gather else None}
     return out
-
-
-def engine_overhead() -> dict[str, float]:
-    """:func:`_engine_rank` on WORLD ranks (rank 0's figures)."""
-    from rlhf_fusion.launch import run_ranks
-
-    return run_ranks(_engine_rank, WORLD, timeout=600.0)[0].value
-
-
-def _median(history: list[dict[str, float]], key: str) -> float:
-    return statistics.median(h[key] for h in history[1:])
 
 
 def run_real(out: Path) -> dict[str, Any]:
@@ -166,46 +145,52 @@ def run_real(out: Path) -> dict[str, Any]:
     hw = local_hardware(flops=5e10, hbm_bw=1e10, link=link, byte_scale=2.0,
                         gpus_per_node=WORLD)
     with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
         profiles = profile_models(model_configs(cfg0.models), seq_len=round(prompt_len)
                                   + GEN_LEN, out=Path(tmp) / "profiles",
                                   layouts=LAYOUTS, world=WORLD, launches=LAUNCHES)
+        profile_s = time.perf_counter() - t0
+        print(f"profiles: {profile_s:.0f} s", flush=True)
         prob = problem(cfg0, hw, prompt_len, profiles)
         est = Estimator(prob)
-        runs: dict[str, list[dict[str, float]]] = {}
+        runs: dict[str, list[list[dict[str, float]]]] = {}
         walls: dict[str, list[float]] = {}
         the_plans = plans(prob.cluster)
         paths = {}
         for name, plan in the_plans.items():
             paths[name] = Path(tmp) / f"{name.replace(' ', '_')}.json"
             plan.save(paths[name], prob.cluster)
-        # Rounds in alternating order: the machine's load drifts, each plan sees both ends.
+        # Rounds in alternating order: the machine's speed drifts, each plan sees both ends.
         for r in range(REPEATS):
             for name in (list(the_plans) if r % 2 == 0 else list(reversed(the_plans))):
                 t0 = time.perf_counter()
                 res = train(config(str(paths[name])), prompts, progress=False)
                 walls.setdefault(name, []).append(time.perf_counter() - t0)
-                runs.setdefault(name, []).extend(res["history"][1:])   # warm-up dropped
-                print(f"{name} round {r + 1}: " + ", ".join(
-                    f"{h['time/training']:.2f}" for h in res["history"]), flush=True)
+                runs.setdefault(name, []).append(res["history"][1:])   # warm-up dropped
+                print(f"{name} round {r + 1}: training " + ", ".join(
+                    f"{h['time/training']:.2f}" for h in res["history"]) + " s", flush=True)
         rows = []
         for name, plan in the_plans.items():
             pred = est.estimate(plan)
-            hist = runs[name]
-            p_train = sum(pred.call_time[c] for c in TRAIN_CALL.values())
-            p_sync = sum(pred.realloc_time.values())
-            m = {k: statistics.median(h[f"time/{k}"] for h in hist)
-                 for k in ("training", "weight_sync", "iteration", "rollout")}
-            p = {"training": p_train, "weight_sync": p_sync,
+            hist = [h for run in runs[name] for h in run]
+            p = {"training": sum(pred.call_time[c] for c in TRAIN_CALL.values()),
+                 "weight_sync": sum(pred.realloc_time.values()),
                  "iteration": pred.iteration_time,
                  "rollout": sum(pred.call_time[c] for c in CALLS
                                 if c not in TRAIN_CALL.values())}
-            row = {"plan": name, "table": plan.table(), "measured_s": m, "predicted_s": p,
-                   "ratio": {k: (m[k] / p[k] if p[k] else None) for k in m},
-                   "training_s": [h["time/training"] for h in hist],
-                   "iterations_s": [h["time/iteration"] for h in hist], "wall_s": walls[name],
-                   "call_time_s": pred.call_time, "realloc_time_s": pred.realloc_time,
-                   "realloc_bytes": hist[-1]["realloc/bytes"]}
-            rows.append(row)
+            m = {k: statistics.median(h[f"time/{k}"] for h in hist) for k in p}
+            per_run = [statistics.median(h["time/training"] for h in run) / p["training"]
+                       for run in runs[name]]
+            rows.append({"plan": name, "table": plan.table(), "measured_s": m,
+                         "predicted_s": p,
+                         "ratio": {k: (m[k] / p[k] if p[k] else None) for k in m},
+                         "training_ratio_per_run": per_run,
+                         "training_s": [h["time/training"] for h in hist],
+                         "weight_sync_s": [h["time/weight_sync"] for h in hist],
+                         "iterations_s": [h["time/iteration"] for h in hist],
+                         "wall_s": walls[name], "call_time_s": pred.call_time,
+                         "realloc_time_s": pred.realloc_time,
+                         "realloc_bytes": hist[-1]["realloc/bytes"]})
         base = rows[0]
         for row in rows:   # each plan against the data-parallel plan, measured and predicted
             row["vs_dp"] = {
@@ -216,57 +201,67 @@ def run_real(out: Path) -> dict[str, Any]:
                   f"({row['ratio']['training']:.2f}); vs dp measured "
                   f"{row['vs_dp']['measured']:.2f} predicted {row['vs_dp']['predicted']:.2f}",
                   flush=True)
-    engines = engine_overhead()
-    print(f"engines: {engines}", flush=True)
-    return {"engines": engines, "world": WORLD, "model": MODEL, "batch": BATCH, "gen_len": GEN_LEN,
-            "prompt_len": prompt_len, "ppo": {"epochs": EPOCHS, "mini_batches": MINI,
-                                              "micro_batches": MICRO},
-            "iterations": ITERATIONS, "repeats": REPEATS, "link": link.to_dict(), "hardware": hw.to_dict(),
-            "rows": rows, "bar": BAR}
+    return {"profiles": profile_summary(profiles, prob), "profile_s": profile_s,
+            "launches": LAUNCHES, "world": WORLD, "model": MODEL, "batch": BATCH,
+            "gen_len": GEN_LEN, "prompt_len": prompt_len,
+            "micro_batch_tokens": prob.micro_batch_tokens,
+            "ppo": {"epochs": EPOCHS, "mini_batches": MINI, "micro_batches": MICRO},
+            "iterations": ITERATIONS, "repeats": REPEATS, "link": link.to_dict(),
+            "hardware": hw.to_dict(), "rows": rows, "bar": BAR}
+
+
+def _ok(rep: dict[str, Any], ratio: float | None) -> bool:
+    return ratio is not None and abs(ratio - 1) <= rep["bar"]
 
 
 def markdown(rep: dict[str, Any]) -> str:
     L = ["# Tensor-parallel and ZeRO-3 plans run for real (the loop) vs the estimator", "",
          f"{rep['date']}, {rep['machine']['cpu']} ({rep['machine']['cpu_cores']} cores, "
-         f"shared with other work: 1-minute load average {rep['load_before']:.2f} before, "
-         f"{rep['load_after']:.2f} after), torch {rep['machine']['torch']}; "
-         f"{rep['world']} gloo processes, one thread each. Command: `{rep['command']}`.", "",
+         f"1-minute load average {rep['load_before']:.2f} before, {rep['load_after']:.2f} "
+         f"after), torch {rep['machine']['torch']}; {rep['world']} gloo processes, one thread "
+         f"each. Command: `{rep['command']}`.", "",
          f"`rlhf_fusion.loop.train` on each plan: Actor/Critic {rep['model']}, "
          f"{rep['batch']} prompts x {rep['gen_len']} new tokens, PPO {rep['ppo']}, "
          f"{rep['iterations']} iterations, {rep['repeats']} runs per plan in alternating order "
          f"(medians over iterations 2-{rep['iterations']} of every run). "
-         "Predicted: the placement estimator for the same plan, layers profiled on this CPU "
-         "(one thread), gloo link figures measured at the start "
+         "Predicted: the placement estimator for the same plan, from profiles measured here "
+         f"first ({rep['profile_s']:.0f} s): the layers on one process, the Actor's and the "
+         f"Critic's training in each plan's layout on its {rep['world']} ranks (medians over "
+         f"{rep['launches']} starts of the processes), the gloo link "
          f"({rep['link']['concurrent_bandwidth'] / 1e9:.2f} GB/s, latency "
          f"{rep['link']['latency_s'] * 1e6:.0f} us).", "",
-         "| plan | training: measured / predicted s (ratio) | training vs the dp plan: "
-         "measured / predicted | weight sync: measured / predicted s | iteration: measured / "
-         "predicted s (ratio) | training within 20% |",
+         "| plan | training: measured / predicted s (ratio) | ratio per run | training within "
+         f"{rep['bar']:.0%} | weight sync: measured / predicted s | iteration: measured / "
+         "predicted s (ratio) |",
          "|---|---|---|---|---|---|"]
     for r in rep["rows"]:
         m, p, q = r["measured_s"], r["predicted_s"], r["ratio"]
-        ok = q["training"] is not None and abs(q["training"] - 1) <= rep["bar"]
         L.append(f"| {r['plan']} | {m['training']:.3f} / {p['training']:.3f} "
-                 f"({q['training']:.2f}) | {r['vs_dp']['measured']:.2f} / "
-                 f"{r['vs_dp']['predicted']:.2f} | {m['weight_sync']:.3f} / {p['weight_sync']:.3f} | "
-                 f"{m['iteration']:.3f} / {p['iteration']:.3f} ({q['iteration']:.2f}) | "
-                 f"{'yes' if ok else '**no**'} |")
+                 f"({q['training']:.2f}) | "
+                 + ", ".join(f"{x:.2f}" for x in r["training_ratio_per_run"])
+                 + f" | {'yes' if _ok(rep, q['training']) else '**no**'} | "
+                 f"{m['weight_sync']:.3f} / {p['weight_sync']:.3f} | "
+                 f"{m['iteration']:.3f} / {p['iteration']:.3f} ({q['iteration']:.2f}) |")
     L.append("")
+    if rep.get("png"):
+        L += [f"![measured vs predicted]({rep['png']})", ""]
+    prof = rep.get("profiles") or {}
+    if prof:
+        L += [f"## The profiles at the loop's micro-batch ({rep['micro_batch_tokens']} tokens), "
+              "per rank", "",
+              "| role | layout | one pass (forward + backward) ms | a step adds ms | "
+              "gather whole weights ms |", "|---|---|---|---|---|"]
+        for role, lays in prof.items():
+            for key, v in lays.items():
+                g = "" if v["gather_s"] is None else f"{v['gather_s'] * 1e3:.1f}"
+                L.append(f"| {role} | {key} | {v['pass_s'] * 1e3:.1f} | "
+                         f"{v['step_s'] * 1e3:.1f} | {g} |")
+        L.append("")
     for r in rep["rows"]:
         L += [f"### {r['plan']}", "", "```", r["table"], "```", "",
               "training (s): " + ", ".join(f"{x:.2f}" for x in r["training_s"])
-              + "; iterations (s): " + ", ".join(f"{x:.2f}" for x in r["iterations_s"])
-              + f"; weights moved by the reallocation per iteration: "
-              f"{r['realloc_bytes'] / 1e6:.2f} MB", ""]
-    e = rep.get("engines")
-    if e:
-        L += ["## The engines alone (one micro-batch of the Actor, forward + backward, per rank)",
-              "", "| layout | ms |", "|---|---|"]
-        L += [f"| {k.removesuffix('_fwd_bwd_ms')} | {v:.1f} |" for k, v in e.items()
-              if k.endswith("_fwd_bwd_ms")]
-        L += ["", f"A gloo all-reduce of 8 floats between the two ranks: "
-              f"{e['allreduce_small_ms']:.2f} ms (the estimator's link latency: "
-              f"{rep['link']['latency_s'] * 1e3:.3f} ms, half a ping-pong at the start).", ""]
+              + "; weight sync (s): " + ", ".join(f"{x:.3f}" for x in r["weight_sync_s"])
+              + "; iterations (s): " + ", ".join(f"{x:.2f}" for x in r["iterations_s"]), ""]
     for note in rep.get("notes", []):
         L += [note, ""]
     return "\n".join(L).rstrip() + "\n"
@@ -277,46 +272,76 @@ def notes(rep: dict[str, Any]) -> list[str]:
     rows = {r["plan"]: r for r in rep["rows"]}
     dp = rows["data parallel"]
     out = ["## Reading the figures",
-           f"- **The data-parallel plan's ratio is this machine's factor.** That plan (no "
-           f"DTensor, no FSDP) measures {dp['ratio']['training']:.2f}x its predicted "
-           "training time. The profiles are timed in one process at one moment; the loop "
-           "runs two processes on one thread each, on 2 cores that other jobs share (load "
-           f"average {rep['load_before']:.1f} before, {rep['load_after']:.1f} after). The "
-           "runs of one plan spread as far as "
-           + ", ".join(f"{r['plan']} {min(r['training_s']):.2f}-{max(r['training_s']):.2f} s"
-                       for r in rep["rows"]) + ".",
-           "- **Relative to the data-parallel plan run alongside**, training time measured / "
-           "predicted: " + "; ".join(
+           "- **Training** (the calls whose layout the plans change) is costed from the layout "
+           "profiles alone: per micro-batch the measured pass, per mini-batch the measured "
+           "step. Relative to the data-parallel plan, measured / predicted: " + "; ".join(
                f"{r['plan']} {r['vs_dp']['measured']:.2f} / {r['vs_dp']['predicted']:.2f}"
-               for r in rep["rows"] if r is not dp) + "."]
-    e = rep.get("engines")
-    if e:
-        out.append(
-            f"- **What a layout costs on this CPU** (the engines alone, above): one micro-batch "
-            f"of the tp=2 model takes {e['tp=2_fwd_bwd_ms']:.0f} ms per rank against "
-            f"{e['whole_fwd_bwd_ms']:.0f} ms for a whole copy, and every tp rank runs every "
-            "micro-batch; the estimator evaluates the profile at tokens / tp, i.e. assumes a "
-            "tp rank's layer time halves. ZeRO-3 takes "
-            f"{e['ZeRO-3_fwd_bwd_ms']:.0f} ms: FSDP2 gathers each layer before its forward and "
-            "backward and reduce-scatters after, each a gloo collective of "
-            f"{e['allreduce_small_ms']:.2f} ms latency or more here, plus its per-unit Python "
-            "hooks, which the cost model has no term for.")
-    out.append(
-        "- **Generation and scoring** are costed for GPUs (decode steps that read the weights "
-        "from HBM); here a decode step is Python-bound: rollout measured / predicted "
-        + ", ".join(f"{r['plan']} {r['measured_s']['rollout']:.2f} / "
-                    f"{r['predicted_s']['rollout']:.2f} s" for r in rep["rows"]) + ".")
+               for r in rep["rows"] if r is not dp) + ".",
+           "- **Run to run**, the same plan's training moves by "
+           + ", ".join(f"{r['plan']} {min(r['training_s']):.2f}-{max(r['training_s']):.2f} s"
+                       for r in rep["rows"])
+           + " (two processes on 2 cores: where a process lands in memory and caches moves a "
+           "pass by up to a fifth; the profiles take medians over "
+           f"{rep['launches']} starts for that reason).",
+           "- **Weight sync** from a sharded layout is the measured gather of whole weights "
+           "(a collective per parameter) plus the planner's transfer between whole copies; "
+           "the data-parallel plan's weight sync (the copy into the generation model) has no "
+           "reallocation node, so it is predicted 0.",
+           "- **Generation and scoring** are costed for GPUs (decode steps that read the "
+           "weights from HBM); here a decode step is Python-bound: rollout measured / "
+           "predicted " + ", ".join(
+               f"{r['plan']} {r['measured_s']['rollout']:.2f} / "
+               f"{r['predicted_s']['rollout']:.2f} s" for r in rep["rows"])
+           + ". The iteration row inherits that."]
     return out
+
+
+def plot(rep: dict[str, Any], path: Path) -> None:
+    """Measured (bars) and predicted (markers) training, weight sync and iteration per plan."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    parts = [("training", "training"), ("weight_sync", "weight sync"),
+             ("iteration", "iteration")]
+    fig, axes = plt.subplots(1, len(parts), figsize=(11, 3.4))
+    names = [r["plan"] for r in rep["rows"]]
+    for ax, (key, title) in zip(axes, parts):
+        meas = [r["measured_s"][key] for r in rep["rows"]]
+        pred = [r["predicted_s"][key] for r in rep["rows"]]
+        xs = range(len(names))
+        ax.bar(xs, meas, color="#4c72b0", label="measured (median)")
+        ax.scatter(xs, pred, color="#dd8452", marker="D", zorder=3, label="predicted")
+        if key == "training":
+            for x, p in zip(xs, pred):
+                ax.plot([x - 0.4, x + 0.4], [p * (1 + rep["bar"])] * 2, color="#dd8452",
+                        lw=0.8, ls="--")
+                ax.plot([x - 0.4, x + 0.4], [p * (1 - rep["bar"])] * 2, color="#dd8452",
+                        lw=0.8, ls="--")
+        ax.set_xticks(list(xs), names, rotation=15, fontsize=8)
+        ax.set_title(f"{title} (s)", fontsize=10)
+    axes[0].legend(fontsize=7, loc="upper left")
+    fig.suptitle("loop on 2 gloo ranks: measured vs the estimator (dashed: +/-"
+                 f"{rep['bar']:.0%} of predicted training)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def write(rep: dict[str, Any], out: Path, name: str = "placement_measured_real") -> None:
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        plot(rep, out / f"{name}.png")
+        rep["png"] = f"{name}.png"
+    except ImportError:
+        rep["png"] = None
     (out / f"{name}.json").write_text(json.dumps(rep, indent=1, default=str) + "\n")
     (out / f"{name}.md").write_text(markdown(rep))
 
 
-def main_real(out: Path, machine: dict[str, Any]) -> int:
-    load0 = os.getloadavg()[0]
+def main_real(out: Path, machine: dict[str, Any], load0: float | None = None) -> int:
+    load0 = os.getloadavg()[0] if load0 is None else load0
     rep = run_real(out)
     rep.update({"date": time.strftime("%Y-%m-%d %H:%M"), "machine": machine,
                 "load_before": load0, "load_after": os.getloadavg()[0],

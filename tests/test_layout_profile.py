@@ -45,6 +45,12 @@ def test_every_layout_is_timed_on_its_ranks(family, role):
         assert sorted(map(int, tables["step"])) == [_params(build, conf, 1),
                                                     _params(build, conf, 3)]
         assert min(tables["step"].values()) > 0
+    # a sharded layout's weight sync starts with a gather of whole weights; a whole copy's not
+    assert ("gather" in out["layouts"]["dp=2 tp=1 zero=0"]) is False
+    for key in ("dp=1 tp=2 zero=0", "dp=2 tp=1 zero=3"):
+        gather = out["layouts"][key]["gather"]
+        assert sorted(map(int, gather)) == [_params(build, conf, 1), _params(build, conf, 3)]
+        assert min(gather.values()) > 0
     # the JSON goes through the planner's reader, a layout per key
     prof = Profile.from_dict(json.loads(json.dumps(out)))
     assert prof.layout(1, 2, 0) is not None and prof.layout(2, 1, 3) is not None
@@ -141,3 +147,25 @@ def test_layout_keys_read_and_bad_ones_name_the_form():
         Profile.from_dict({**WHOLE, "layouts": {"tp=2": {**TP2, "forward": {}}}})
     with pytest.raises(PlacementError, match="a mapping of layouts"):
         Profile.from_dict({**WHOLE, "layouts": [1]})
+
+
+def test_a_sharded_layouts_weight_sync_starts_from_its_measured_gather():
+    """Training tp=2, generation data parallel on the same two GPUs: the reallocation node is
+    the measured gather of whole weights, then the move between whole copies (none here: the
+    generation ranks are the training ranks)."""
+    from rlhf_fusion.placement import CallPlacement, Estimator, ExecutionPlan
+    from rlhf_fusion.placement.graph import CALLS
+
+    gathered = {**TP2, "gather": {10**8: 0.25, 2 * 10**8: 0.45}}
+    p = _problem({**WHOLE, "layouts": {"dp=1 tp=2 zero=0": gathered}})
+    mesh = preset_plan(p, "colocated").calls["actor_train"].mesh
+    dp2, tp2 = ParallelStrategy(2, 1, 1), ParallelStrategy(1, 2, 1)
+    plan = ExecutionPlan({c: CallPlacement(mesh, tp2 if c.endswith("_train") else dp2)
+                          for c in CALLS}, "tp train")
+    est = Estimator(p).estimate(plan)
+    want = Profile.from_dict(gathered).gather_seconds(p.models["actor"].params)
+    assert est.realloc_time["actor_gen"] == pytest.approx(want)
+    # unmeasured (the Critic): the planner's transfer of the missing halves, not a gather
+    plain = Estimator(_problem(None)).estimate(plan)
+    assert est.realloc_time["critic_inf"] == pytest.approx(plain.realloc_time["critic_inf"])
+    assert plain.realloc_time["actor_gen"] != pytest.approx(want)

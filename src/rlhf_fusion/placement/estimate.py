@@ -21,6 +21,7 @@ from .hooks import fused_train_ratio, rollout_time
 from .plan import CallPlacement, ExecutionPlan
 from .problem import PlacementProblem
 from .realloc_plan import Layout, plan_realloc
+from .strategy import ParallelStrategy
 from .timeline import Timeline, TNode, simulate
 
 STREAM_CHUNKS = 8   # data between meshes is streamed per micro-batch: only the last chunk waits
@@ -58,11 +59,20 @@ class Estimator:
 
     # -- pieces ----------------------------------------------------------------------------
     def realloc_seconds(self, model: str, src: CallPlacement, dst: CallPlacement) -> float:
+        """Seconds to move ``model`` from ``src``'s layout into ``dst``'s. A sharded training
+        layout measured on its ranks (``Profile.layout`` with ``gather``) is gathered whole on
+        its ranks first, as the loop does, and moves on from whole copies there."""
         key = (model, src.mesh.ranks, src.strategy, dst.mesh.ranks, dst.strategy)
         t = self._realloc.get(key)
         if t is None:
-            t = plan_realloc(self.p.models[model], Layout(src.mesh, src.strategy),
-                             Layout(dst.mesh, dst.strategy), self.p.cluster, detail=False).seconds
+            m, s = self.p.models[model], src.strategy
+            lay = self.cost.measured_layout(TRAIN_CALL[model], s) if model in TRAIN_CALL else None
+            gather = 0.0
+            if lay is not None and lay.gather:
+                gather = lay.gather_seconds(m.params)
+                s = ParallelStrategy(src.mesh.size, 1, 1)
+            t = gather + plan_realloc(m, Layout(src.mesh, s), Layout(dst.mesh, dst.strategy),
+                                      self.p.cluster, detail=False).seconds
             self._realloc[key] = t
         return t
 

@@ -41,6 +41,9 @@ class Profile:
     # Seconds a mini-batch step adds to its passes, by the model's parameter count (measured
     # in a layout; linear in between and beyond). Empty: not measured.
     step: dict[int, float] = field(default_factory=dict)
+    # Seconds to gather whole weights on every rank of a sharded layout (its weight sync's
+    # first part), by parameter count; empty: not measured.
+    gather: dict[int, float] = field(default_factory=dict)
     # The tables measured in parallel training layouts, by layout_key(dp, tp, zero).
     layouts: dict[str, Profile] = field(default_factory=dict)
 
@@ -72,18 +75,26 @@ class Profile:
         table = self.rest_backward if backward else self.rest_forward
         return self._interp(table, tokens) if table else 0.0
 
-    def step_seconds(self, params: float) -> float:
-        """Seconds a mini-batch step adds for a model of ``params`` parameters: the measured
-        points joined linearly (the two end ones extended)."""
-        if not self.step:
+    @staticmethod
+    def _linear(table: dict[int, float], x: float) -> float:
+        """The measured points joined linearly (the two end ones extended); 0 if none."""
+        if not table:
             return 0.0
-        xs = sorted(self.step)
+        xs = sorted(table)
         if len(xs) == 1:
-            return self.step[xs[0]] * params / xs[0]
-        i = min(max(bisect.bisect_right(xs, params), 1), len(xs) - 1)
+            return table[xs[0]] * x / xs[0]
+        i = min(max(bisect.bisect_right(xs, x), 1), len(xs) - 1)
         x0, x1 = xs[i - 1], xs[i]
-        y0, y1 = self.step[x0], self.step[x1]
-        return max(0.0, y0 + (y1 - y0) * (params - x0) / (x1 - x0))
+        y0, y1 = table[x0], table[x1]
+        return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+    def step_seconds(self, params: float) -> float:
+        """Seconds a mini-batch step adds for a model of ``params`` parameters."""
+        return self._linear(self.step, params)
+
+    def gather_seconds(self, params: float) -> float:
+        """Seconds to gather a model of ``params`` parameters whole on every rank."""
+        return self._linear(self.gather, params)
 
     def layout(self, dp: int, tp: int, zero: int) -> Profile | None:
         """The tables measured in this layout, if any (``zero`` 3 or not: ZeRO-1/2 run as
@@ -108,8 +119,8 @@ class Profile:
             raise PlacementError(f"{where}: give forward and backward tables ({{tokens: "
                                  "seconds}}) or the file `rlhf-fusion profile-layers` writes")
         tables = []
-        for key in ("forward", "backward", "rest_forward", "rest_backward", "step"):
-            if key not in d and key in ("rest_forward", "rest_backward", "step"):
+        for key in ("forward", "backward", "rest_forward", "rest_backward", "step", "gather"):
+            if key not in d and key not in ("forward", "backward"):
                 tables.append({})
                 continue
             t = d[key]

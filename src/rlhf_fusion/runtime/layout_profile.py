@@ -18,7 +18,9 @@ pass (embeddings, head, loss) ``T(d1) - d1 * layer``. What a mini-batch step add
 (the data-parallel gradient all-reduce, the statistics' all-reduce, gradient clipping, AdamW,
 ``zero_grad``) is timed inside the loop's own
 :func:`~rlhf_fusion.runtime.sharded_train.data_parallel_step`, around its passes, at both
-depths: seconds at two parameter counts, which the cost model extends linearly. Every figure
+depths: seconds at two parameter counts, which the cost model extends linearly; so is a
+sharded layout's ``gather`` (``full_state_dict``: the whole weights on every rank, where the
+loop's weight sync starts from a tp or ZeRO-3 layout). Every figure
 is the median of ``repeats`` timed passes (after one warm-up); a pass the slowest rank's, a
 step's extra the fastest rank's (the others' includes waiting for the slowest in the step's
 all-reduce).
@@ -39,6 +41,7 @@ from ..placement.profile import FORMAT, layout_key
 from .fused import default_loss_fns, model_outputs
 from .microbatch import split_micro_batches
 from .ppo import PPOConfig
+from .sharded_state import full_state_dict
 from .sharded_train import TrainLayout, data_parallel_step, layout_groups, shard_for_training
 
 __all__ = ["default_depths", "profile_layouts"]
@@ -134,6 +137,19 @@ def _layout_rank(rank: int, world: int, config: Any, role: str, build: Callable[
                 if r:
                     extra[depth].append(time.perf_counter() - t0 - inner.get("passes_s", 0.0))
         steps = {params[d]: statistics.median(extra[d]) for d in depths}
+        # A sharded layout's weight sync starts by gathering whole weights on every rank
+        # (full_state_dict: a collective per parameter), as the loop's does.
+        gathers: dict[int, float] = {}
+        if lay.sharded:
+            for depth in depths:
+                ts = []
+                for r in range(repeats + 1):
+                    t0 = time.perf_counter()
+                    if holds:
+                        full_state_dict(models[depth])
+                    if r:
+                        ts.append(time.perf_counter() - t0)
+                gathers[params[depth]] = statistics.median(ts)
         del models, opts
         d1, d2 = depths
         table: dict[str, Any] = {"forward": {}, "backward": {}, "rest_forward": {},
@@ -150,6 +166,9 @@ def _layout_rank(rank: int, world: int, config: Any, role: str, build: Callable[
         # A data-parallel rank that finished its pass first waits for the others inside the
         # step's all-reduce: the fastest rank's extra is the step's own.
         table["step"] = {str(p): _over_ranks(s, dist.ReduceOp.MIN) for p, s in steps.items()}
+        if gathers:
+            table["gather"] = {str(p): _over_ranks(s, dist.ReduceOp.MAX)
+                               for p, s in gathers.items()}
         out[layout_key(dp, tp, zero)] = table
     return out
 
