@@ -169,3 +169,32 @@ def test_a_sharded_layouts_weight_sync_starts_from_its_measured_gather():
     plain = Estimator(_problem(None)).estimate(plan)
     assert est.realloc_time["critic_inf"] == pytest.approx(plain.realloc_time["critic_inf"])
     assert plain.realloc_time["actor_gen"] != pytest.approx(want)
+
+
+def test_cli_profiles_layouts_the_planner_reads(tmp_path, capsys):
+    from rlhf_fusion.cli import main
+    from rlhf_fusion.testing.models import tiny_config
+
+    tiny_config("qwen2", vocab_size=64, hidden_size=32, layers=2, heads=4, kv_heads=2,
+                max_positions=64).save_pretrained(tmp_path / "tiny")
+    out = tmp_path / "actor.json"
+    args = ["profile-layers", str(tmp_path / "tiny"), "--out", str(out), "--tokens", "16", "32",
+            "--seq-len", "16", "--repeats", "1", "--dtype", "float32", "--device", "cpu",
+            "--quiet"]
+    assert main([*args, "--layout", "tp=2", "--layout", "dp=2 zero=3"]) == 0
+    printed = capsys.readouterr().out
+    assert "dp=1 tp=2 zero=0: at 32 tokens" in printed and "gather" in printed
+    prof = json.loads(out.read_text())
+    assert sorted(prof["layouts"]) == ["dp=1 tp=2 zero=0", "dp=2 tp=1 zero=3"]
+    p = PlacementProblem.from_dict({
+        "models": {"actor": {"params": 1e6, "layers": 2, "hidden": 32}},
+        "cluster": {"nodes": 1, "gpus_per_node": 2}, "batch": 8, "prompt_len": 16,
+        "gen_len": 16, "profiles": {"actor": str(out)}})
+    cost = CostModel(p)
+    assert cost.measured_layout("actor_train", ParallelStrategy(1, 2, 1)) is not None
+    assert cost.measured_layout("actor_train", ParallelStrategy(2, 1, 1, zero=3)) is not None
+    assert cost.measured_layout("actor_train", ParallelStrategy(2, 1, 1)) is None
+    assert main([*args, "--layout", "tensor=2"]) == 2
+    assert "write it as 'dp=2 tp=1 zero=3'" in capsys.readouterr().err
+    assert main([*args, "--layout", "tp=4", "--world", "2"]) == 2
+    assert "needs 4 ranks; world is 2" in capsys.readouterr().err

@@ -303,16 +303,49 @@ def cmd_profile_layers(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.update(done - bar.n)
 
+    layouts = []
+    for spec in args.layout or []:
+        from .placement import PlacementError
+        from .placement.profile import parse_layout_key
+
+        try:
+            layouts.append(parse_layout_key(spec, "--layout"))
+        except PlacementError as exc:
+            print(f"rlhf-fusion profile-layers: error: {exc}", file=sys.stderr)
+            return 2
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if layouts and device != "cpu":
+        print("rlhf-fusion profile-layers: error: --layout profiles on local gloo ranks on the "
+              "CPU (the loop's CPU runs); pass --device cpu", file=sys.stderr)
+        return 2
+    world = args.world or max((dp * tp for dp, tp, _ in layouts), default=1)
+    too_big = [(dp, tp) for dp, tp, _ in layouts if dp * tp > world]
+    if too_big:
+        dp, tp = too_big[0]
+        print(f"rlhf-fusion profile-layers: error: layout dp={dp} tp={tp} needs {dp * tp} "
+              f"ranks; world is {world} (raise --world)", file=sys.stderr)
+        return 2
     try:
-        device = args.device
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
         prof = profile_config(config, lm_head=args.head == "lm", dtype=dtype,
                               tokens=args.tokens, seq_len=args.seq_len, repeats=args.repeats,
                               device=device, progress=progress)
     finally:
         if bar is not None:
             bar.close()
+    if layouts:
+        from .loop.models import build_causal_lm, build_value_model
+        from .runtime.layout_profile import profile_layouts
+
+        role, build = (("actor", build_causal_lm) if args.head == "lm"
+                       else ("critic", build_value_model))
+        print(f"profiling {len(layouts)} layout(s) as the {role} on {world} gloo ranks "
+              f"({args.launches} launch(es))", file=sys.stderr)
+        prof["layouts"] = profile_layouts(config, role, build, layouts, world=world,
+                                          tokens=args.tokens, seq_len=args.seq_len,
+                                          repeats=args.repeats,
+                                          launches=args.launches)["layouts"]
     prof["model"] = args.model
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -323,6 +356,13 @@ def cmd_profile_layers(args: argparse.Namespace) -> int:
     for k in prof["forward"]:
         print(f"{k:>8}  {1e3 * prof['forward'][k]:16.3f}  {1e3 * prof['backward'][k]:17.3f}  "
               f"{1e3 * prof['rest_forward'][k]:7.3f}/{1e3 * prof['rest_backward'][k]:.3f}")
+    for key, t in prof.get("layouts", {}).items():
+        n = max(t["forward"], key=int)
+        step = max(t["step"], key=int)
+        print(f"{key}: at {n} tokens forward {1e3 * t['forward'][n]:.3f} ms/layer, backward "
+              f"{1e3 * t['backward'][n]:.3f} ms/layer; a step adds {1e3 * t['step'][step]:.1f} ms "
+              f"at {int(step):,} parameters"
+              + (f"; gather {1e3 * t['gather'][step]:.1f} ms" if "gather" in t else ""))
     print(f"wrote {out} (plan config: profiles: {{actor: {out}}})")
     return 0
 
@@ -459,6 +499,13 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("--head", default="lm", choices=["lm", "none"],
                     help="lm: with the vocabulary head (Actor, Ref); none: the backbone "
                          "(Critic, Reward: a one-column value head)")
+    pr.add_argument("--layout", action="append", metavar="'dp=2 tp=1 zero=3'",
+                    help="also profile training in this layout on local gloo ranks (CPU), as "
+                         "the loop trains it: tp on DTensor, zero=3 on FSDP2 (repeatable)")
+    pr.add_argument("--world", type=int, default=0,
+                    help="ranks for --layout (default: the largest layout's dp*tp)")
+    pr.add_argument("--launches", type=int, default=1,
+                    help="--layout: start the ranks this many times, keep each figure's median")
     pr.add_argument("--quiet", action="store_true", help="no progress bar")
     pr.set_defaults(func=cmd_profile_layers)
 
