@@ -14,7 +14,7 @@ measured on this machine before the runs (ReaLHF's profiling-assisted estimator)
   with the layout's communication inside (tp all-reduces, FSDP gathers and reduce-scatters),
   the rest of a pass, what a mini-batch step adds (gradient sync, clipping, AdamW), and for a
   sharded layout the gather of whole weights its weight sync starts with; each figure the
-  median over ``LAUNCHES`` starts of the processes;
+  median over ``REPEATS`` starts of the processes, one at the start of each round of runs;
 * the gloo link (bandwidth halved: the loop moves float32, the planner counts bf16 bytes).
 
 Compared per part, from the loop's own metrics (median over the iterations after the first
@@ -66,12 +66,13 @@ from rlhf_fusion.placement import (
     resolve_model,
 )
 from rlhf_fusion.placement.graph import CALLS, TRAIN_CALL
+from rlhf_fusion.placement.profile import Profile
 from rlhf_fusion.runtime.emulate import local_hardware, measure_links
+from rlhf_fusion.runtime.layout_profile import median_layouts
 
 WORLD = 2
 ITERATIONS = 4          # the first is warm-up (first allocations, first gathers)
 REPEATS = 3             # rounds over the plans, in alternating order
-LAUNCHES = 3            # the layout profiles: medians over this many starts of the processes
 BATCH, GEN_LEN, MINI, EPOCHS, MICRO = 16, 32, 2, 2, 2
 MODEL = {"family": "llama", "layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2}
 BAR = 0.20
@@ -117,6 +118,19 @@ def problem(cfg: RLHFConfig, hw: Any, prompt_len: float, profiles: dict[str, Any
                             profiles=profiles)
 
 
+def combined_profiles(tmp: Path, rounds: int) -> dict[str, Any]:
+    """Each role's profile of the first round, its layouts the median over the rounds."""
+    out = {}
+    for path in sorted((tmp / "profiles0").glob("*.json")):
+        data = json.loads(path.read_text())
+        if "layouts" in data:
+            data["layouts"] = median_layouts([
+                json.loads((tmp / f"profiles{r}" / path.name).read_text())["layouts"]
+                for r in range(rounds)])
+        out[path.stem] = Profile.from_dict(data, f"profile of {path.stem}")
+    return out
+
+
 def profile_summary(profiles: dict[str, Any], prob: PlacementProblem) -> dict[str, Any]:
     """Per trained role and profiled layout, at the loop's micro-batch: one pass (forward +
     backward, every layer and the rest), what a step adds and the gather, in seconds."""
@@ -145,23 +159,24 @@ def run_real(out: Path) -> dict[str, Any]:
     hw = local_hardware(flops=5e10, hbm_bw=1e10, link=link, byte_scale=2.0,
                         gpus_per_node=WORLD)
     with tempfile.TemporaryDirectory() as tmp:
-        t0 = time.perf_counter()
-        profiles = profile_models(model_configs(cfg0.models), seq_len=round(prompt_len)
-                                  + GEN_LEN, out=Path(tmp) / "profiles",
-                                  layouts=LAYOUTS, world=WORLD, launches=LAUNCHES)
-        profile_s = time.perf_counter() - t0
-        print(f"profiles: {profile_s:.0f} s", flush=True)
-        prob = problem(cfg0, hw, prompt_len, profiles)
-        est = Estimator(prob)
+        cluster = problem(cfg0, hw, prompt_len, {}).cluster
         runs: dict[str, list[list[dict[str, float]]]] = {}
         walls: dict[str, list[float]] = {}
-        the_plans = plans(prob.cluster)
+        the_plans = plans(cluster)
         paths = {}
         for name, plan in the_plans.items():
             paths[name] = Path(tmp) / f"{name.replace(' ', '_')}.json"
-            plan.save(paths[name], prob.cluster)
+            plan.save(paths[name], cluster)
         # Rounds in alternating order: the machine's speed drifts, each plan sees both ends.
+        # Each round starts with one launch of the layout profiles, so the profiles' medians
+        # are taken over the same stretch of time as the runs.
+        profile_s = 0.0
         for r in range(REPEATS):
+            t0 = time.perf_counter()
+            profile_models(model_configs(cfg0.models), seq_len=round(prompt_len) + GEN_LEN,
+                           out=Path(tmp) / f"profiles{r}", layouts=LAYOUTS, world=WORLD)
+            profile_s += time.perf_counter() - t0
+            print(f"profiles, round {r + 1}: {time.perf_counter() - t0:.0f} s", flush=True)
             for name in (list(the_plans) if r % 2 == 0 else list(reversed(the_plans))):
                 t0 = time.perf_counter()
                 res = train(config(str(paths[name])), prompts, progress=False)
@@ -169,6 +184,9 @@ def run_real(out: Path) -> dict[str, Any]:
                 runs.setdefault(name, []).append(res["history"][1:])   # warm-up dropped
                 print(f"{name} round {r + 1}: training " + ", ".join(
                     f"{h['time/training']:.2f}" for h in res["history"]) + " s", flush=True)
+        profiles = combined_profiles(Path(tmp), REPEATS)
+        prob = problem(cfg0, hw, prompt_len, profiles)
+        est = Estimator(prob)
         rows = []
         for name, plan in the_plans.items():
             pred = est.estimate(plan)
@@ -202,7 +220,7 @@ def run_real(out: Path) -> dict[str, Any]:
                   f"{row['vs_dp']['measured']:.2f} predicted {row['vs_dp']['predicted']:.2f}",
                   flush=True)
     return {"profiles": profile_summary(profiles, prob), "profile_s": profile_s,
-            "launches": LAUNCHES, "world": WORLD, "model": MODEL, "batch": BATCH,
+            "launches": REPEATS, "world": WORLD, "model": MODEL, "batch": BATCH,
             "gen_len": GEN_LEN, "prompt_len": prompt_len,
             "micro_batch_tokens": prob.micro_batch_tokens,
             "ppo": {"epochs": EPOCHS, "mini_batches": MINI, "micro_batches": MICRO},
@@ -227,7 +245,8 @@ def markdown(rep: dict[str, Any]) -> str:
          "Predicted: the placement estimator for the same plan, from profiles measured here "
          f"first ({rep['profile_s']:.0f} s): the layers on one process, the Actor's and the "
          f"Critic's training in each plan's layout on its {rep['world']} ranks (medians over "
-         f"{rep['launches']} starts of the processes), the gloo link "
+         f"{rep['launches']} starts of the processes, one before each round of runs), the "
+         "gloo link "
          f"({rep['link']['concurrent_bandwidth'] / 1e9:.2f} GB/s, latency "
          f"{rep['link']['latency_s'] * 1e6:.0f} us).", "",
          "| plan | training: measured / predicted s (ratio) | ratio per run | training within "

@@ -198,3 +198,12 @@ def test_cli_profiles_layouts_the_planner_reads(tmp_path, capsys):
     assert "write it as 'dp=2 tp=1 zero=3'" in capsys.readouterr().err
     assert main([*args, "--layout", "tp=4", "--world", "2"]) == 2
     assert "needs 4 ranks; world is 2" in capsys.readouterr().err
+
+
+def test_launches_combine_figure_by_figure_by_their_median():
+    from rlhf_fusion.runtime.layout_profile import median_layouts
+
+    runs = [{"tp=2": {"forward": {"16": f}, "step": {"100": 10 * f}}} for f in (1.0, 9.0, 2.0)]
+    assert median_layouts(runs) == {"tp=2": {"forward": {"16": 2.0}, "step": {"100": 20.0}}}
+    with pytest.raises(ValueError, match="layouts differ"):
+        median_layouts([runs[0], {"dp=2": runs[0]["tp=2"]}])

@@ -44,7 +44,7 @@ from .ppo import PPOConfig
 from .sharded_state import full_state_dict
 from .sharded_train import TrainLayout, data_parallel_step, layout_groups, shard_for_training
 
-__all__ = ["default_depths", "profile_layouts"]
+__all__ = ["default_depths", "median_layouts", "profile_layouts"]
 
 MAX_DEPTH = 8
 
@@ -173,6 +173,21 @@ def _layout_rank(rank: int, world: int, config: Any, role: str, build: Callable[
     return out
 
 
+def median_layouts(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Several measurements of the same layouts (``{layout_key: tables}``, from separate
+    launches) as one: the median of each figure. Each launch's processes land differently in
+    memory and caches: on a CPU the same pass differs by up to a fifth from one launch to
+    the next."""
+    first = runs[0]
+    for run in runs[1:]:
+        if set(run) != set(first):
+            raise ValueError(f"layouts differ between runs: {sorted(first)} vs {sorted(run)}")
+    return {key: {name: {n: statistics.median(run[key][name][n] for run in runs)
+                         for n in table}
+                  for name, table in first[key].items()}
+            for key in first}
+
+
 def default_depths(config: Any) -> tuple[int, int]:
     """One layer, and the model's own depth (at most ``MAX_DEPTH``): the second pass is the
     model itself, so its prediction does not lean on the split into layer and rest."""
@@ -203,12 +218,7 @@ def profile_layouts(config: Any, role: str, build: Callable[[Any], Any],
     runs = [run_ranks(_layout_rank, world, config, role, build, list(layouts), list(tokens),
                       seq_len, repeats, lr, tuple(depths), timeout=timeout,
                       collective_timeout=timeout / 2)[0].value for _ in range(launches)]
-    # Each launch's processes land differently in memory and caches: on a CPU the same pass
-    # differs by up to a fifth from one launch to the next. The median of each figure.
-    tables = {key: {name: {n: statistics.median(run[key][name][n] for run in runs)
-                           for n in table}
-                    for name, table in runs[0][key].items()}
-              for key in runs[0]}
+    tables = median_layouts(runs)
     return {"format": FORMAT, "version": 1, "role": role, "world": world, "seq_len": seq_len,
             "depths": list(depths), "repeats": repeats, "launches": launches, "device": "cpu",
             "layouts": tables}
