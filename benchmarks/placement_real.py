@@ -72,7 +72,7 @@ from rlhf_fusion.runtime.layout_profile import median_layouts
 
 WORLD = 2
 ITERATIONS = 4          # the first is warm-up (first allocations, first gathers)
-REPEATS = 3             # rounds over the plans, in alternating order
+REPEATS = 5             # rounds over the plans, in alternating order
 BATCH, GEN_LEN, MINI, EPOCHS, MICRO = 16, 32, 2, 2, 2
 MODEL = {"family": "llama", "layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2}
 BAR = 0.20
@@ -115,7 +115,7 @@ def problem(cfg: RLHFConfig, hw: Any, prompt_len: float, profiles: dict[str, Any
                             prompt_len=max(1, round(prompt_len)), gen_len=GEN_LEN,
                             ppo_minibatches=MINI, ppo_epochs=EPOCHS,
                             micro_batch_tokens=BATCH // MINI // MICRO * seq, name="real",
-                            profiles=profiles)
+                            profiles=profiles, gradient_checkpointing=False)
 
 
 def combined_profiles(tmp: Path, rounds: int) -> dict[str, Any]:

@@ -413,6 +413,7 @@ def search_plan(cfg: RLHFConfig, prompt_len: float, out: str | Path) -> str:
             batch=g.prompts_per_iteration, prompt_len=max(1, round(prompt_len)),
             gen_len=g.max_new_tokens, ppo_minibatches=p.num_mini_batches,
             ppo_epochs=p.num_ppo_epochs, max_tp=1, max_pp=1, name="loop",
+            gradient_checkpointing=False,   # the loop never recomputes activations
             # Planned with the frozen models in host memory when the run offloads them.
             offload_frozen=bool(offload_names(pl.offload)), profiles=profiles)
         found = search(problem, time_limit=float(pl.search), seed=0)

@@ -51,15 +51,19 @@ MAX_DEPTH = 8
 
 
 def _micro_batch(rows: int, length: int, vocab: int, gen: torch.Generator) -> dict[str, Tensor]:
-    """A micro-batch with every key the PPO losses read: a prompt half, a response half."""
+    """A micro-batch with every key the PPO losses read: a prompt half, a response half, and
+    left padding on every row but the first (as the loop's batches of prompts of different
+    lengths have: attention then runs with a real mask, not the causal shortcut)."""
     ids = torch.randint(2, vocab, (rows, length), generator=gen)
+    mask = torch.ones(rows, length, dtype=torch.long)
+    for i in range(1, rows):
+        mask[i, : (i % 4) * length // 16] = 0
     act = torch.zeros(rows, length, dtype=torch.long)
     act[:, length // 2:] = 1
     small = {k: 0.1 * torch.randn(rows, length, generator=gen)
              for k in ("old_logprobs", "ref_logprobs", "old_values", "advantages", "returns")}
     small["old_logprobs"] = small["old_logprobs"] - 2.0
-    batch = {"input_ids": ids, "attention_mask": torch.ones(rows, length, dtype=torch.long),
-             "action_mask": act, **small}
+    batch = {"input_ids": ids, "attention_mask": mask, "action_mask": act, **small}
     return dict(split_micro_batches(batch, 1)[0])
 
 
