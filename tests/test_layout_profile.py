@@ -207,3 +207,16 @@ def test_launches_combine_figure_by_figure_by_their_median():
     assert median_layouts(runs) == {"tp=2": {"forward": {"16": 2.0}, "step": {"100": 20.0}}}
     with pytest.raises(ValueError, match="layouts differ"):
         median_layouts([runs[0], {"dp=2": runs[0]["tp=2"]}])
+
+
+def test_a_layout_on_part_of_the_world_is_timed_by_its_own_ranks():
+    """dp=1 on 2 ranks: rank 1 idles; its zero seconds must not become the step's figure."""
+    from rlhf_fusion.runtime.layout_profile import profile_layouts
+    from rlhf_fusion.testing.models import build_causal_lm, tiny_config
+
+    conf = tiny_config("llama", vocab_size=64, hidden_size=32, layers=2, heads=4, kv_heads=2,
+                       max_positions=64)
+    out = profile_layouts(conf, "actor", build_causal_lm, [(1, 1, 0)], world=2, tokens=[16],
+                          seq_len=16, repeats=1, timeout=300.0)
+    tables = out["layouts"]["dp=1 tp=1 zero=0"]
+    assert min(tables["step"].values()) > 0 and min(tables["forward"].values()) > 0

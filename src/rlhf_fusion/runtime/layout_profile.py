@@ -49,7 +49,6 @@ __all__ = ["default_depths", "median_layouts", "profile_layouts"]
 MAX_DEPTH = 8
 
 
-
 def _micro_batch(rows: int, length: int, vocab: int, gen: torch.Generator) -> dict[str, Tensor]:
     """A micro-batch with every key the PPO losses read: a prompt half, a response half, and
     left padding on every row but the first (as the loop's batches of prompts of different
@@ -169,7 +168,9 @@ def _layout_rank(rank: int, world: int, config: Any, role: str, build: Callable[
                 table[rest][str(n)] = max(0.0, t1 - d1 * layer)
         # A data-parallel rank that finished its pass first waits for the others inside the
         # step's all-reduce: the fastest rank's extra is the step's own.
-        table["step"] = {str(p): _over_ranks(s, dist.ReduceOp.MIN) for p, s in steps.items()}
+        # (A rank outside the layout times nothing: it takes no part in the minimum.)
+        table["step"] = {str(p): _over_ranks(s if holds else float("inf"), dist.ReduceOp.MIN)
+                         for p, s in steps.items()}
         if gathers:
             table["gather"] = {str(p): _over_ranks(s, dist.ReduceOp.MAX)
                                for p, s in gathers.items()}
