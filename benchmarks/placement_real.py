@@ -140,8 +140,7 @@ def profile_summary(profiles: dict[str, Any], prob: PlacementProblem) -> dict[st
         m = prob.models[role]
         for key, lay in profiles[role].layouts.items():
             out.setdefault(role, {})[key] = {
-                "pass_s": m.layers * (lay.layer_forward(tok) + lay.layer_backward(tok))
-                + lay.rest(tok, backward=False) + lay.rest(tok, backward=True),
+                "pass_s": lay.train_pass(tok, m.layers),
                 "step_s": lay.step_seconds(m.params),
                 "gather_s": lay.gather_seconds(m.params) if lay.gather else None}
     return out

@@ -131,3 +131,21 @@ def sharded_rank(rank: int, world: int, kind: str, dtype_name: str,
         back = full_state_dict(model)
         out[name]["reload"] = max(float((back[k] - fresh[k]).abs().max()) for k in fresh)
     return out
+
+
+def check_equal(results: list[dict[str, Any]], case: str, tol: float, whole_dtensor: bool
+                ) -> None:
+    """Every rank's outcome of ``case``: forward, parameters and statistics within ``tol`` of
+    one process, the weights moved, sharded as DTensors (every parameter when
+    ``whole_dtensor``), a reload exact."""
+    for rank_out in results:
+        got = rank_out[case]
+        assert got["forward"] <= tol, got
+        assert got["params"] <= tol, got
+        assert got["stats"] <= tol, got  # losses and gradient norms
+        assert got["moved"] > 1e-3, "training moved the weights"
+        if whole_dtensor:
+            assert got["sharded"] == ["DTensor"], "every parameter sharded"
+        else:
+            assert "DTensor" in got["sharded"]
+        assert got["reload"] == 0.0

@@ -321,11 +321,12 @@ def cmd_profile_layers(args: argparse.Namespace) -> int:
               "CPU (the loop's CPU runs); pass --device cpu", file=sys.stderr)
         return 2
     world = args.world or max((dp * tp for dp, tp, _ in layouts), default=1)
-    too_big = [(dp, tp) for dp, tp, _ in layouts if dp * tp > world]
-    if too_big:
-        dp, tp = too_big[0]
-        print(f"rlhf-fusion profile-layers: error: layout dp={dp} tp={tp} needs {dp * tp} "
-              f"ranks; world is {world} (raise --world)", file=sys.stderr)
+    from .runtime.layout_profile import check_layouts, profile_layouts
+
+    try:   # before the profiling, not after it
+        check_layouts(layouts, world)
+    except ValueError as exc:
+        print(f"rlhf-fusion profile-layers: error: {exc} (raise --world)", file=sys.stderr)
         return 2
     try:
         prof = profile_config(config, lm_head=args.head == "lm", dtype=dtype,
@@ -336,7 +337,6 @@ def cmd_profile_layers(args: argparse.Namespace) -> int:
             bar.close()
     if layouts:
         from .loop.models import build_causal_lm, build_value_model
-        from .runtime.layout_profile import profile_layouts
 
         role, build = (("actor", build_causal_lm) if args.head == "lm"
                        else ("critic", build_value_model))

@@ -209,10 +209,7 @@ class CostModel:
         mb = max(1, math.ceil(per_step / mbs))                     # micro-batches per step
         lay = self.measured_layout(call, s)
         if lay is not None:
-            tok = mbs * p.seq_len
-            f, b = lay.layer_forward(tok), lay.layer_backward(tok)
-            one = (m.layers * (f + b + (f if p.gradient_checkpointing else 0.0))
-                   + lay.rest(tok, backward=False) + lay.rest(tok, backward=True))
+            one = lay.train_pass(mbs * p.seq_len, m.layers, p.gradient_checkpointing)
             return steps * (mb * one
                             + lay.step_seconds(self.trainable_params(CALL_MODEL[call])))
         tokens = per_step * p.seq_len                              # per replica per step

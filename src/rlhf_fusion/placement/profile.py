@@ -75,6 +75,13 @@ class Profile:
         table = self.rest_backward if backward else self.rest_forward
         return self._interp(table, tokens) if table else 0.0
 
+    def train_pass(self, tokens: float, layers: float, recompute: bool = False) -> float:
+        """Seconds of one training pass of ``tokens`` through ``layers`` layers and the rest:
+        forward and backward (and the forward again per layer when ``recompute``)."""
+        f = self.layer_forward(tokens)
+        return (layers * (f + self.layer_backward(tokens) + (f if recompute else 0.0))
+                + self.rest(tokens, backward=False) + self.rest(tokens, backward=True))
+
     @staticmethod
     def _linear(table: dict[int, float], x: float) -> float:
         """The measured points joined linearly (the two end ones extended); 0 if none."""

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from .tensor_parallel import TensorParallelError, _family_and_layers
+from .tensor_parallel import TensorParallelError, family_and_layers
 
 __all__ = ["apply_zero3"]
 
@@ -33,7 +33,7 @@ def apply_zero3(model: nn.Module, role: str, mesh: Any) -> nn.Module:
     returns it. Forward and backward take and return plain tensors as before."""
     if mesh.ndim != 1:
         raise TensorParallelError(f"ZeRO-3: a 1-D mesh, got {mesh.ndim} dims")
-    _, _, layers = _family_and_layers(model, role)
+    _, _, layers = family_and_layers(model, role)
     for layer in layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)

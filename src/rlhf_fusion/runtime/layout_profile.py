@@ -44,7 +44,7 @@ from .ppo import PPOConfig
 from .sharded_state import full_state_dict
 from .sharded_train import TrainLayout, data_parallel_step, layout_groups, shard_for_training
 
-__all__ = ["default_depths", "median_layouts", "profile_layouts"]
+__all__ = ["check_layouts", "default_depths", "median_layouts", "profile_layouts"]
 
 MAX_DEPTH = 8
 
@@ -178,6 +178,14 @@ def _layout_rank(rank: int, world: int, config: Any, role: str, build: Callable[
     return out
 
 
+def check_layouts(layouts: Sequence[tuple[int, int, int]], world: int) -> None:
+    """Raise ``ValueError`` naming the first layout ``(dp, tp, zero)`` with more ranks than
+    ``world``."""
+    for dp, tp, _ in layouts:
+        if dp * tp > world:
+            raise ValueError(f"layout dp={dp} tp={tp} needs {dp * tp} ranks; world is {world}")
+
+
 def median_layouts(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Several measurements of the same layouts (``{layout_key: tables}``, from separate
     launches) as one: the median of each figure. Each launch's processes land differently in
@@ -214,9 +222,7 @@ def profile_layouts(config: Any, role: str, build: Callable[[Any], Any],
     the processes anew; each figure is the median over them."""
     from ..launch import run_ranks
 
-    for dp, tp, _ in layouts:
-        if dp * tp > world:
-            raise ValueError(f"layout dp={dp} tp={tp} needs {dp * tp} ranks; world is {world}")
+    check_layouts(layouts, world)
     depths = depths or default_depths(config)
     if not 1 <= depths[0] < depths[1]:
         raise ValueError(f"depths: two layer counts d1 < d2, got {depths}")

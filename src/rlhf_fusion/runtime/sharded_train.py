@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
 from .fused import reference_step
 from .sharded_state import clip_grad_norm_
@@ -119,12 +120,10 @@ def data_parallel_step(model: nn.Module, role: str, layout: TrainLayout, rank: i
     dp_group = groups[layout.dp_ranks(rank)] if layout.dp > 1 else None
     if dp_group is not None and layout.zero != 3:   # FSDP's reduce-scatter summed them
         grads = [_local(q.grad) for q in model.parameters() if q.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads])
+        flat = _flatten_dense_tensors(grads)
         dist.all_reduce(flat, group=dp_group)
-        off = 0
-        for g in grads:
-            g.copy_(flat[off: off + g.numel()].view_as(g))
-            off += g.numel()
+        for g, synced in zip(grads, _unflatten_dense_tensors(flat, grads), strict=True):
+            g.copy_(synced)
     stats = out["stats"][role]
     keys = sorted(stats)
     vals = torch.tensor([stats[k] for k in keys], dtype=torch.float64)

@@ -57,6 +57,7 @@ __all__ = [
     "TensorParallelError",
     "apply_tensor_parallel",
     "check_tensor_parallel",
+    "family_and_layers",
     "tp_plan",
 ]
 
@@ -68,7 +69,9 @@ class TensorParallelError(ValueError):
     """A model or mesh tensor parallelism cannot run on; the message names the fix."""
 
 
-def _family_and_layers(model: nn.Module, role: str) -> tuple[str, str, nn.ModuleList]:
+def family_and_layers(model: nn.Module, role: str) -> tuple[str, str, nn.ModuleList]:
+    """``(family, base attribute, decoder layers)`` of an Actor or a Critic (the layers the
+    tp plan and ZeRO-3's units are applied to)."""
     from .errors import PartitionError
 
     try:
@@ -169,7 +172,7 @@ def apply_tensor_parallel(model: nn.Module, role: str, mesh: Any) -> nn.Module:
     if mesh.ndim != 1:
         raise TensorParallelError(f"tensor parallelism: a 1-D mesh, got {mesh.ndim} dims")
     tp = mesh.size()
-    family, _, layers = _family_and_layers(model, role)
+    family, _, layers = family_and_layers(model, role)
     check_tensor_parallel(model.config, tp, role)
     for layer in layers:
         if family == "gpt2":
