@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +36,11 @@ __all__ = ["AUTO_RT_FRACTION", "StreamStats", "fusion_generate_vllm"]
 AUTO_RT_FRACTION = 0.25
 # vLLM's default max_num_seqs: the batch slots of one engine (BS_max of the planner).
 ENGINE_BS_MAX = 256
+# While nothing finishes, the driver asks its busy engines whether they are alive this often, so
+# a dead engine, or one Ray never scheduled, is an error naming it instead of a wait without end.
+LIVENESS_EVERY_S = 10.0
+# How long an engine may take to answer that question (its event loop answers between tokens).
+LIVENESS_ANSWER_S = 60.0
 
 
 @dataclass
@@ -123,9 +129,19 @@ def fusion_generate_vllm(self: Any, dataloader_iter: Any, num_prompts: int,
             submits.add(engines[engine].fusion_submit.remote(run, batch, params, max_length))
             outstanding[engine] += len(items)
             stats.requests += len(items)
+
+    def ensure_polls() -> None:
+        # Only here, once every result in hand is counted: a poll issued while a batch of
+        # results was half counted could land on an engine left with nothing to return, and
+        # would then wait for ever (the hang of the dynamic-filtering run: a filtered prompt's
+        # replacement was submitted in the middle of its engine's last batch).
         for engine in range(len(engines)):
             if outstanding[engine] and engine not in polls.values():
                 polls[engines[engine].fusion_poll.remote(run)] = engine
+        idle = [e for e in polls.values() if not outstanding[e]]
+        if idle:
+            raise RolloutError(f"rlhf_fusion internal error: a poll is waiting on engine(s) "
+                               f"{idle} with no sample outstanding there; please report it")
 
     def add_prompts(ps: list[Any], ls: list[Any], ims: list[Any]) -> None:
         nonlocal next_key
@@ -149,15 +165,12 @@ def fusion_generate_vllm(self: Any, dataloader_iter: Any, num_prompts: int,
 
     add_prompts(prompts, labels, images)
     prompts_consumed += len(prompts)
+    ensure_polls()
     migrated_once = not opts.migrate or len(engines) < 2
     frac = AUTO_RT_FRACTION if opts.rt == "auto" else float(opts.rt or 0)
 
     while polls:
-        ready, _ = ray.wait([*polls, *submits], num_returns=1, timeout=opts.wait_s)
-        if not ready:
-            raise RolloutError(
-                f"no sample finished in {opts.wait_s:g} s (--fusion.wait_s) with "
-                f"{sum(outstanding)} still decoding; a vLLM engine is stuck, or raise the bound")
+        ready = _wait_for_any(engines, polls, submits, outstanding, opts.wait_s)
         moved: dict[int, list[tuple[int, dict[str, Any] | None]]] = {}
         for ref in ready:
             if ref in submits:
@@ -165,8 +178,9 @@ def fusion_generate_vllm(self: Any, dataloader_iter: Any, num_prompts: int,
                 ray.get(ref)  # raises an engine's error in starting its samples
                 continue
             engine = polls.pop(ref)
-            for key, out in ray.get(ref):
-                outstanding[engine] -= 1
+            results = ray.get(ref)
+            outstanding[engine] -= len(results)  # the whole batch, before anything is submitted
+            for key, out in results:
                 if "fusion_error" in out:
                     raise RolloutError(f"vLLM engine {engine} failed on sample {key}:\n"
                                        f"{out['fusion_error']}")
@@ -205,10 +219,54 @@ def fusion_generate_vllm(self: Any, dataloader_iter: Any, num_prompts: int,
             if 0 < live <= max(1, math.floor(frac * stats.samples)):
                 migrated_once = True
                 _migrate(engines, run, live, route)
+        ensure_polls()
     if scorer is not None:
         self._fusion_link.pending = scorer.finish()
         self._fusion_scoring_stats = scorer.stats
     return accepted, prompts_consumed, exhausted
+
+
+def _wait_for_any(engines: list[Any], polls: dict[Any, int], submits: set[Any],
+                  outstanding: list[int], wait_s: float | None) -> list[Any]:
+    """The next finished poll or submit. While none finishes, the busy engines are asked every
+    ``LIVENESS_EVERY_S`` whether they are alive (a RolloutError names a dead or unanswering
+    one), and with ``--fusion.wait_s`` set, nothing finishing for that long is an error too."""
+    import ray
+
+    start = time.monotonic()
+    deadline = math.inf if wait_s is None else start + wait_s
+    next_check = start + LIVENESS_EVERY_S
+    while True:
+        timeout = max(0.0, min(deadline, next_check) - time.monotonic())
+        ready, _ = ray.wait([*polls, *submits], num_returns=1, timeout=timeout)
+        if ready:
+            return ready
+        now = time.monotonic()
+        if now >= deadline:
+            raise RolloutError(
+                f"no sample finished in {wait_s:g} s (--fusion.wait_s) with "
+                f"{sum(outstanding)} still decoding; a vLLM engine is stuck, or raise the bound")
+        if now >= next_check:
+            _check_engines_alive(engines, sorted(set(polls.values())), outstanding)
+            next_check = time.monotonic() + LIVENESS_EVERY_S
+
+
+def _check_engines_alive(engines: list[Any], busy: list[int], outstanding: list[int]) -> None:
+    import ray
+
+    probes = {i: engines[i].__ray_ready__.remote() for i in busy}
+    until = time.monotonic() + LIVENESS_ANSWER_S
+    for i, probe in probes.items():
+        try:
+            ray.get(probe, timeout=max(0.0, until - time.monotonic()))
+        except ray.exceptions.GetTimeoutError:
+            raise RolloutError(
+                f"vLLM engine {i} ({outstanding[i]} samples outstanding there) did not answer "
+                f"in {LIVENESS_ANSWER_S:g} s: Ray has not scheduled it (no free resources: see "
+                "`ray status`) or its process is stuck") from None
+        except ray.exceptions.RayError as exc:
+            raise RolloutError(f"vLLM engine {i} died with {outstanding[i]} samples "
+                               f"outstanding there: {exc}") from exc
 
 
 def _scorer(self: Any, dataloader_iter: Any, num_prompts: int) -> Any:
