@@ -11,10 +11,12 @@
 #   bash benchmarks/gpu_check.sh          # on the GPU machine, from the repository root
 #   bash benchmarks/gpu_check.sh --cpu    # the same steps with tiny shapes on the CPU (~2 min)
 #
-# Each step runs whatever the others did, under its own time limit; its log, and a summary table
-# (summary.md), go to $OUT if set, else ./gpu_check_out. The exit status is the number of
-# failed steps (0: all passed). The package need not be installed: src/ goes on PYTHONPATH.
-# PYTHON (default python3) picks the interpreter.
+# Each step runs whatever the others did, under its own time limit and within the whole run's
+# budget (GPU_CHECK_BUDGET seconds, default 560, --cpu 1200: a step that would start past it is skipped, so
+# the summary is written before a 10-minute limit). Its log, and the summary table (summary.md,
+# rewritten after every step), go to $OUT if set, else ./gpu_check_out. The exit status is the
+# number of failed steps (0: all passed). The package need not be installed: src/ goes on
+# PYTHONPATH. PYTHON (default python3) picks the interpreter.
 set -u
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -28,14 +30,23 @@ export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false HF_HUB_OFFLINE=1 TRANSFOR
 export HF_DATASETS_OFFLINE=1 WANDB_DISABLED=true
 SUMMARY="$OUTDIR/summary.md"
 T_ALL=$(date +%s)
+BUDGET=${GPU_CHECK_BUDGET:-$([ $CPU = 1 ] && echo 1200 || echo 560)}
 FAILED=0
 ROWS=()
 
 step() {   # step NAME LIMIT_S COMMAND...: run one step, log it, record its row
     local name=$1 limit=$2
     shift 2
-    local log="$OUTDIR/$name.log" t0 rc
+    local log="$OUTDIR/$name.log" t0 rc left
     t0=$(date +%s)
+    left=$(( T_ALL + BUDGET - t0 - 5 ))
+    if [ $left -lt 30 ]; then
+        ROWS+=("| $name | SKIPPED | 0 | no time left in the ${BUDGET} s budget |")
+        FAILED=$((FAILED + 1))
+        write_summary
+        return
+    fi
+    [ $left -lt "$limit" ] && limit=$left
     echo "== $name (limit ${limit}s): $*" | tee "$log"
     timeout --kill-after=15 "$limit" "$@" >>"$log" 2>&1
     rc=$?
@@ -50,6 +61,23 @@ step() {   # step NAME LIMIT_S COMMAND...: run one step, log it, record its row
     [ $rc -ne 0 ] && note="$note $(tail -n 3 "$log" | tr '\n' ' ' | sed 's/|/\\|/g' | cut -c1-400)"
     echo "   -> $status in ${took}s"
     ROWS+=("| $name | $status | ${took} | $note |")
+    write_summary
+}
+
+write_summary() {
+    local total=$(( $(date +%s) - T_ALL ))
+    {
+        echo "# gpu_check on $DEV"
+        echo
+        head -n 2 "$OUTDIR/env.txt" | tr '\n' ' '
+        echo
+        echo
+        echo "| step | status | seconds | what it measured |"
+        echo "|---|---|---|---|"
+        printf '%s\n' "${ROWS[@]}"
+        echo
+        echo "Total: ${total} s, $FAILED failed step(s). Logs: one per step beside this file."
+    } >"$SUMMARY"
 }
 
 if [ $CPU = 1 ]; then
@@ -65,7 +93,7 @@ fi
 
 # a. The gpu-marked tests (on the CPU they are collected and skipped: conftest skips them).
 GPU_TESTS=$(grep -l -E 'mark\.gpu|pytest\.mark\.gpu' tests/*.py | tr '\n' ' ')
-step a_gpu_tests 240 $PY -m pytest -q -p no:cacheprovider -m gpu -o addopts="" $GPU_TESTS
+step a_gpu_tests 150 $PY -m pytest -q -p no:cacheprovider -m gpu -o addopts="" $GPU_TESTS
 
 # b. The loop under torchrun, one process: 3 iterations.
 LOOP_CFG="$OUTDIR/loop.yaml"
@@ -87,7 +115,7 @@ generation: $GEN
 ppo: {learning_rate: 1.0e-6, num_mini_batches: 2, micro_batches: 2}
 fusion: {inter: false, intra: false}
 EOF
-step b_loop_torchrun 300 bash -c "$PY -m torch.distributed.run --standalone --nproc-per-node 1 \
+step b_loop_torchrun 240 bash -c "$PY -m torch.distributed.run --standalone --nproc-per-node 1 \
     -m rlhf_fusion.cli train '$LOOP_CFG' --out '$OUTDIR/loop-run' --overwrite \
     --checkpoint-every 0 && $PY benchmarks/gpu_check_steps.py loop-metrics '$OUTDIR/loop-run' 3 \
     && if [ $CPU = 0 ]; then grep -q 'one process, on cuda' '$OUTDIR/b_loop_torchrun.log' \
@@ -95,10 +123,10 @@ step b_loop_torchrun 300 bash -c "$PY -m torch.distributed.run --standalone --np
 
 # c. FusedPPOModule with Lightning on one device.
 CPUFLAG=$([ $CPU = 1 ] && echo --cpu)
-step c_lightning 200 $PY benchmarks/gpu_check_steps.py lightning $CPUFLAG
+step c_lightning 150 $PY benchmarks/gpu_check_steps.py lightning $CPUFLAG
 
 # d. The offload prefetch path.
-step d_offload 150 $PY benchmarks/gpu_check_steps.py offload $CPUFLAG
+step d_offload 120 $PY benchmarks/gpu_check_steps.py offload $CPUFLAG
 
 # e. TRL stock vs fused (optional: needs trl and datasets; .whl/ brings them).
 if ! $PY -c 'import trl, datasets' >/dev/null 2>&1 && ls .whl/*.whl >/dev/null 2>&1; then
@@ -111,7 +139,7 @@ if $PY -c 'import trl, datasets' >/dev/null 2>&1; then
         step e_trl 300 $PY benchmarks/trl.py --quick --family qwen2 --hidden 64 --layers 2 \
             --no-write
     else
-        step e_trl 330 $PY benchmarks/trl.py --cuda
+        step e_trl 320 $PY benchmarks/trl.py --cuda
         # The results file comes back with $OUT.
         find benchmarks/results -name 'trl_*' -newer "$OUTDIR/env.txt" -exec cp {} "$OUTDIR/" \;
     fi
@@ -119,17 +147,6 @@ else
     ROWS+=("| e_trl | skipped | 0 | trl or datasets not importable, and no .whl/ |")
 fi
 
-TOTAL=$(( $(date +%s) - T_ALL ))
-{
-    echo "# gpu_check on $DEV"
-    echo
-    echo "$(head -n 2 "$OUTDIR/env.txt" | tr '\n' ' ')"
-    echo
-    echo "| step | status | seconds | what it measured |"
-    echo "|---|---|---|---|"
-    printf '%s\n' "${ROWS[@]}"
-    echo
-    echo "Total: ${TOTAL} s, $FAILED failed step(s). Logs: one per step beside this file."
-} >"$SUMMARY"
+write_summary
 cat "$SUMMARY"
 exit $FAILED
