@@ -123,6 +123,12 @@ def offload(cpu: bool) -> None:
     ids = torch.randint(1, shape["vocab_size"], (4, 64), device=dev)
     with torch.no_grad():
         want = model(input_ids=ids).logits.float().cpu()
+        again = model(input_ids=ids).logits.float().cpu()
+    # The round trip is checked bit for bit only if the forward itself repeats bit for bit.
+    exact = torch.equal(want, again)
+    if not exact:
+        print("offload: two forwards before any offload differ (a non-deterministic kernel): "
+              "comparing within 1e-3 instead")
     off = HostOffload(model, dev, name="policy-1.5b")
     gib = off.nbytes / 2**30
     if not cpu:
@@ -152,20 +158,24 @@ def offload(cpu: bool) -> None:
         t1 = time.perf_counter()
         with torch.no_grad():
             got = model(input_ids=ids).logits.float().cpu()   # the pre-hook waits
-        assert torch.equal(got, want), f"round {r}: logits after the prefetch differ"
+        if exact:
+            assert torch.equal(got, want), f"round {r}: logits after the prefetch differ"
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-3, atol=1e-3)
         st = off.take_stats()
         rounds.append((st.prefetch_s, st.wait_s, t1 - t0, busy_ok))
         off.offload()
     off.close()
     for i, (copy_s, wait_s, _, busy_ok) in enumerate(rounds):
         rate = gib / copy_s if copy_s else float("nan")
-        print(f"offload round {i}: {gib:.2f} GiB prefetched, copy {copy_s * 1e3:.1f} ms "
+        print(f"offload round {i}: {gib * 1024:.1f} MiB prefetched, copy {copy_s * 1e3:.1f} ms "
               f"({rate:.1f} GiB/s), wait {wait_s * 1e3:.1f} ms, overlapped with compute: "
               f"{busy_ok}")
     if not cpu:
         assert any(b for *_, b in rounds), (
             "no prefetch finished while the compute stream was busy: the copy did not overlap")
-    print(f"offload: ok on {_name(cpu)}, {gib:.2f} GiB, logits bit-identical after 3 round trips")
+    print(f"offload: ok on {_name(cpu)}, {gib * 1024:.1f} MiB, logits "
+          f"{'bit-identical' if exact else 'within 1e-3'} after 3 round trips")
 
 
 def loop_metrics(out_dir: str, iterations: int) -> None:
@@ -176,8 +186,9 @@ def loop_metrics(out_dir: str, iterations: int) -> None:
     for r in rows:
         bad = {k: v for k, v in r.items() if isinstance(v, float) and not math.isfinite(v)}
         assert not bad, f"iteration {r.get('iteration')}: not finite: {bad}"
-    keys = [k for k in ("samples_per_s", "reward/mean", "loss/policy", "time/iteration")
-            if k in rows[-1]]
+    keys = [k for k in ("samples_per_s", "objective/scores", "loss/policy_avg",
+                        "time/generation", "time/training", "time/iteration") if k in rows[-1]]
+    assert "objective/scores" in keys and "loss/policy_avg" in keys, sorted(rows[-1])
     print("loop: " + "; ".join(f"{k} " + ", ".join(f"{r[k]:.4g}" for r in rows) for k in keys))
 
 
