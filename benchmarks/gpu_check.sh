@@ -5,7 +5,8 @@
 #      randomly initialised model (one process, so fusion off)
 #   c. FusedPPOModule under lightning.Trainer on one GPU (0.5B-shaped Actor and Critic, bf16-mixed)
 #   d. HostOffload's prefetch on a 1.5B-shaped model (3.1 GB in bf16)
-#   e. (if trl imports, or .whl/ holds its wheels) benchmarks/trl.py --cuda: stock vs fused,
+#   e. (if trl imports, or .whl/ holds its wheels) benchmarks/trl.py --cuda --steps 4 (3 timed
+#      steps, to fit the budget): stock vs fused,
 #      GRPO and PPO, 0.5B-shaped, bf16; writes benchmarks/results/trl_<gpu>.md
 #
 #   bash benchmarks/gpu_check.sh          # on the GPU machine, from the repository root
@@ -139,7 +140,7 @@ if $PY -c 'import trl, datasets' >/dev/null 2>&1; then
         step e_trl 300 $PY benchmarks/trl.py --quick --family qwen2 --hidden 64 --layers 2 \
             --no-write
     else
-        step e_trl 320 $PY benchmarks/trl.py --cuda
+        step e_trl 320 $PY benchmarks/trl.py --cuda --steps 4
         # The results file comes back with $OUT.
         find benchmarks/results -name 'trl_*' -newer "$OUTDIR/env.txt" -exec cp {} "$OUTDIR/" \;
     fi
