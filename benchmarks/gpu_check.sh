@@ -6,8 +6,8 @@
 #   c. FusedPPOModule under lightning.Trainer on one GPU (0.5B-shaped Actor and Critic, bf16-mixed)
 #   d. HostOffload's prefetch on a 1.5B-shaped model (3.1 GB in bf16)
 #   e. (if trl imports, or .whl/ holds its wheels) benchmarks/trl.py --cuda --steps 4 (3 timed
-#      steps, to fit the budget): stock vs fused,
-#      GRPO and PPO, 0.5B-shaped, bf16; writes benchmarks/results/trl_<gpu>.md
+#      steps, to fit the budget): stock vs fused, GRPO and PPO, 0.5B-shaped, bf16; writes
+#      benchmarks/results/trl_<gpu>.{json,md} (copied to the output folder)
 #
 #   bash benchmarks/gpu_check.sh          # on the GPU machine, from the repository root
 #   bash benchmarks/gpu_check.sh --cpu    # the same steps with tiny shapes on the CPU (~2 min)
