@@ -103,7 +103,13 @@ def train(cfg: RLHFConfig, prompts: Sequence[str], *, out_dir: str | Path | None
     args = (cfg, prompt_ids, str(out_dir) if out_dir else None, checkpoint_every, start,
             progress, stop_after, timeline_serial, keep_experiences, keep_checkpoints)
     if cfg.world_size == 1:
-        out = rank_main(0, 1, *args)
+        # One process (also torchrun --nproc-per-node 1, which joins no group): the GPU when
+        # there is one, as a joined rank uses its cuda:LOCAL_RANK.
+        device = f"cuda:{torch.cuda.current_device()}" if torch.cuda.is_available() else "cpu"
+        if progress and device != "cpu":
+            print(f"rlhf-fusion: one process, on {device} ({torch.cuda.get_device_name()})",
+                  file=sys.stderr)
+        out = rank_main(0, 1, *args, device=device)
         out["states"] = [out["state"]]
         return out
     from ..launch import run_ranks
