@@ -217,3 +217,23 @@ def test_serial_mode_finishes_the_actor_everywhere_before_the_critic(barrier):
     actor_end = max(end for a, _s, end in events if a.startswith("actor"))
     critic_start = min(start for a, start, _e in events if a.startswith("critic"))
     assert (critic_start >= actor_end) == barrier
+
+
+@pytest.mark.gpu
+def test_gradient_norm_of_cuda_gradients_equals_the_cpu_one():
+    # Found by the first GPU run (benchmarks/gpu_check.sh, H200): the float64 accumulator lived on
+    # the CPU while the gradients were on cuda:0, so FusedPPOModule's first clip failed.
+    from rlhf_fusion.runtime.engine import clip_grad_norm_, grad_norm_sq
+
+    torch.manual_seed(0)
+    cpu = [torch.nn.Parameter(torch.randn(7, 5)) for _ in range(3)]
+    for p in cpu:
+        p.grad = torch.randn_like(p)
+    gpu = [torch.nn.Parameter(p.detach().cuda()) for p in cpu]
+    for p, q in zip(gpu, cpu):
+        p.grad = q.grad.cuda()
+    got = grad_norm_sq(gpu)
+    assert got.device.type == "cpu" and torch.equal(got, grad_norm_sq(cpu))
+    assert clip_grad_norm_(gpu, 0.5) == clip_grad_norm_(cpu, 0.5)
+    for p, q in zip(gpu, cpu):
+        assert torch.allclose(p.grad.cpu(), q.grad, rtol=0, atol=1e-6)

@@ -481,12 +481,14 @@ class PipelineEngine:
 
 
 def grad_norm_sq(params: Iterable[nn.Parameter]) -> Tensor:
-    """Sum of squared per-parameter gradient norms, accumulated in float64."""
-    total = torch.zeros((), dtype=torch.float64)
+    """Sum of squared per-parameter gradient norms, accumulated in float64 in parameter order, on
+    the gradients' device; returned on the CPU (gloo reduces it there). A 0-dim tensor."""
+    total: Tensor | None = None
     for p in params:
         if p.grad is not None:
-            total += torch.linalg.vector_norm(p.grad).double().square()
-    return total
+            sq = torch.linalg.vector_norm(p.grad).double().square()
+            total = sq if total is None else total + sq.to(total.device)
+    return torch.zeros((), dtype=torch.float64) if total is None else total.cpu()
 
 
 def clip_grads_(grads: Sequence[Tensor], total_norm: float, max_norm: float) -> None:
