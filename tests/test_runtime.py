@@ -233,7 +233,8 @@ def test_gradient_norm_of_cuda_gradients_equals_the_cpu_one():
     for p, q in zip(gpu, cpu):
         p.grad = q.grad.cuda()
     got = grad_norm_sq(gpu)
-    assert got.device.type == "cpu" and torch.equal(got, grad_norm_sq(cpu))
-    assert clip_grad_norm_(gpu, 0.5) == clip_grad_norm_(cpu, 0.5)
+    # float32 norms reduced by CUDA's kernels: equal to the CPU's within rounding
+    assert got.device.type == "cpu" and torch.allclose(got, grad_norm_sq(cpu), rtol=1e-6)
+    assert clip_grad_norm_(gpu, 0.5) == pytest.approx(clip_grad_norm_(cpu, 0.5), rel=1e-6)
     for p, q in zip(gpu, cpu):
         assert torch.allclose(p.grad.cpu(), q.grad, rtol=0, atol=1e-6)
