@@ -211,16 +211,6 @@ def test_gae_runs_stock_where_it_cannot_match(gae_on, monkeypatch):
 # --------------------------------------------------------------------------------------------
 
 
-def _probe() -> tuple[str, list[str]]:
-    """Runs in a Ray worker: import verl as verl's workers do, then report what is patched."""
-    import verl  # noqa: F401  (loads the verl.plugins entry points)
-    from verl.trainer.ppo import core_algos
-
-    from rlhf_fusion.integrations.verl import active_plugins
-
-    return core_algos.compute_gae_advantage_return.__module__, sorted(active_plugins())
-
-
 @pytest.mark.verl
 def test_entry_point_in_ray_workers():
     """RLHF_FUSION_VERL reaches a Ray worker through runtime_env env_vars (as
@@ -232,10 +222,20 @@ def test_entry_point_in_ray_workers():
 
     assert [ep.value for ep in entry_points(group="verl.plugins") if ep.name == "rlhf_fusion"] \
         == ["rlhf_fusion.integrations.verl._entry"]
+    def probe() -> tuple[str, list[str]]:
+        """In a Ray worker: import verl as verl's workers do, then report what is patched.
+        (Nested, so that Ray ships it by value: the worker cannot import this test module.)"""
+        import verl  # noqa: F401  (loads the verl.plugins entry points)
+        from verl.trainer.ppo import core_algos
+
+        from rlhf_fusion.integrations.verl import active_plugins
+
+        return core_algos.compute_gae_advantage_return.__module__, sorted(active_plugins())
+
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
     try:
-        probe = ray.remote(num_cpus=1)(_probe)
+        probe = ray.remote(num_cpus=1)(probe)
         on = probe.options(runtime_env={"env_vars": {"RLHF_FUSION_VERL": "gae"}}).remote()
         off = probe.remote()
         assert ray.get(on, timeout=180) == ("rlhf_fusion.integrations.verl.gae_plugin", ["gae"])
