@@ -223,3 +223,44 @@ def test_critic_error_surfaces_on_the_step():
     with pytest.raises(RuntimeError, match="critic worker died"):
         run_step(trainer)
     assert trainer._critic_update is None
+
+
+def _verl_config(*overrides: str):
+    """verl's own ppo_trainer.yaml, composed as main_ppo composes it."""
+    import os
+
+    import verl.trainer.config
+    from hydra import compose, initialize_config_dir
+
+    config_dir = os.path.join(os.path.dirname(os.path.dirname(verl.trainer.config.__file__)),
+                              "config")
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return compose(config_name="ppo_trainer", overrides=list(overrides))
+
+
+def test_critic_pool_from_hydra():
+    """+rlhf_fusion.critic_pool.n_gpus_per_node gives the Critic a pool of its own (and the
+    mode overlaps); without it verl's placement is unchanged (and the mode says why not)."""
+    overlap = _v1()
+    from verl.trainer.ppo.utils import Role
+    from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
+
+    def placed(cls, *overrides):  # noqa: ANN001, ANN202
+        trainer = cls.__new__(cls)
+        trainer.config = _verl_config("algorithm.adv_estimator=gae", "trainer.n_gpus_per_node=4",
+                                      *overrides)
+        trainer._init_resource_pool_mgr()
+        trainer.use_critic = True
+        return trainer, trainer.resource_pool_manager
+
+    trainer, manager = placed(overlap.PPOTrainerSyncOverlap,
+                              "+rlhf_fusion.critic_pool.n_gpus_per_node=2")
+    assert manager.resource_pool_spec == {"global_pool": [4], "critic_pool": [2]}
+    assert manager.mapping[Role.Critic] == "critic_pool"
+    assert manager.mapping[Role.ActorRollout] == "global_pool"
+    assert trainer.overlap_blocker() is None
+    trainer, manager = placed(overlap.PPOTrainerSyncOverlap)
+    _, stock = placed(PPOTrainerSync)
+    assert (manager.resource_pool_spec, manager.mapping) == (stock.resource_pool_spec,
+                                                             stock.mapping)
+    assert "share resource pool 'global_pool'" in trainer.overlap_blocker()
