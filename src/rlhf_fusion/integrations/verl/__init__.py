@@ -4,7 +4,8 @@ Installing rlhf-fusion registers a ``verl.plugins`` entry point (``_entry``) tha
 every process; it does nothing until a plugin is turned on:
 
 * ``RLHF_FUSION_VERL=gae,overlap`` (or ``all``), which reaches every Ray worker through
-  ``+ray_kwargs.ray_init.runtime_env.env_vars.RLHF_FUSION_VERL=gae``;
+  ``+ray_kwargs.ray_init.runtime_env.env_vars.RLHF_FUSION_VERL="'gae,overlap'"`` (quoted: Hydra
+  reads a bare comma as a list);
 * ``+rlhf_fusion.gae=true`` in verl's Hydra config, read by this package's trainer modes.
 
 ``gae``: the blocked GAE in place of ``core_algos.compute_gae_advantage_return``
