@@ -264,3 +264,31 @@ def test_critic_pool_from_hydra():
     assert (manager.resource_pool_spec, manager.mapping) == (stock.resource_pool_spec,
                                                              stock.mapping)
     assert "share resource pool 'global_pool'" in trainer.overlap_blocker()
+
+
+def test_hydra_key_installs_gae_in_the_trainer_process():
+    """+rlhf_fusion.gae=true: the mode installs the GAE plugin where verl computes advantages."""
+    overlap = _v1()
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo import core_algos
+
+    from rlhf_fusion.integrations.verl import gae_plugin, plugins
+
+    class Base:
+        def __init__(self, config):  # noqa: ANN001
+            self.config = config
+
+    class Mode(overlap.OverlapUpdatesMixin, Base):
+        pass
+
+    stock = core_algos.compute_gae_advantage_return
+    try:
+        Mode(OmegaConf.create({"rlhf_fusion": {"gae": False}}))
+        assert core_algos.compute_gae_advantage_return is stock
+        Mode(OmegaConf.create({"rlhf_fusion": {"gae": True}}))
+        assert core_algos.compute_gae_advantage_return is \
+            gae_plugin.fused_compute_gae_advantage_return
+        assert "gae" in plugins.active_plugins()
+    finally:
+        plugins.uninstall_gae()
+    assert core_algos.compute_gae_advantage_return is stock

@@ -23,14 +23,23 @@ outside [0, 1], NaN/inf, or a mask with values other than 0 and 1 (verl's loop w
 
 from __future__ import annotations
 
+import importlib
 import logging
+import os
+import sys
+from types import ModuleType
 from typing import Any
 
 import torch
 
 from ...triton_kernels.gae import gae
+from .compat import check_gae_seam, check_version
+from .state import PATCHED
 
-__all__ = ["fused_compute_gae_advantage_return", "stock_gae"]
+__all__ = ["CORE_ALGOS", "fused_compute_gae_advantage_return", "install", "install_now",
+           "stock_gae", "uninstall"]
+
+CORE_ALGOS = "verl.trainer.ppo.core_algos"
 
 _STOCK: dict[str, Any] = {}
 _SAID: set[str] = set()
@@ -93,3 +102,40 @@ def fused_compute_gae_advantage_return(
                                   semantics="skip")
         advantages = verl_F.masked_whiten(advantages, response_mask)
     return advantages, returns
+
+
+def install(core_algos: ModuleType) -> None:
+    """Replace ``core_algos.compute_gae_advantage_return`` (and the registry's ``"gae"`` entry,
+    so that ``get_adv_estimator_fn("gae")`` agrees) after checking the seam; idempotent."""
+    if "gae" in PATCHED:
+        return
+    check_gae_seam(core_algos, check_version())
+    stock = core_algos.compute_gae_advantage_return
+    _STOCK["compute_gae_advantage_return"] = stock
+    core_algos.compute_gae_advantage_return = fused_compute_gae_advantage_return
+    registry = getattr(core_algos, "ADV_ESTIMATOR_REGISTRY", {})
+    if registry.get("gae") is stock:
+        registry["gae"] = fused_compute_gae_advantage_return
+    PATCHED.add("gae")
+
+
+def install_now(where: str) -> None:
+    """Import core_algos and install now, logging the one line (the Hydra key's path)."""
+    if "gae" in PATCHED:
+        return
+    install(importlib.import_module(CORE_ALGOS))
+    LOG.warning(f"rlhf_fusion: verl plugins gae on in pid {os.getpid()} "
+                f"(verl {check_version()}, from {where})")
+
+
+def uninstall() -> None:
+    """Put verl's own GAE back (tests; a process that turns the plugin off)."""
+    core_algos = sys.modules.get(CORE_ALGOS)
+    stock = _STOCK.pop("compute_gae_advantage_return", None)
+    if core_algos is not None and stock is not None:
+        fused = core_algos.compute_gae_advantage_return
+        core_algos.compute_gae_advantage_return = stock
+        registry = getattr(core_algos, "ADV_ESTIMATOR_REGISTRY", {})
+        if registry.get("gae") is fused:
+            registry["gae"] = stock
+    PATCHED.discard("gae")

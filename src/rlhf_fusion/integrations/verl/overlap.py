@@ -87,9 +87,9 @@ class OverlapUpdatesMixin:
         # +rlhf_fusion.gae=true: GAE is computed in this process (the TaskRunner), so installing
         # it here is installing it everywhere it runs
         if "gae" in plugins_from_config(config):
-            from .plugins import activate
+            from .gae_plugin import install_now
 
-            activate({"gae"}, where=f"+{HYDRA_KEY}.gae")
+            install_now(where=f"+{HYDRA_KEY}.gae")
         self._critic_update: _CriticUpdate | None = None
         self._overlap_said = False
 

@@ -7,9 +7,10 @@ import logging
 import os
 from types import ModuleType
 
-from .compat import check_gae_seam, check_overlap_seam, check_version
+from .compat import check_overlap_seam, check_version
 from .hooks import after_import
 from .options import PLUGINS, VerlPluginError
+from .state import PATCHED
 
 __all__ = ["active_plugins", "activate", "install_gae", "uninstall_gae"]
 
@@ -17,29 +18,18 @@ LOG = logging.getLogger("rlhf_fusion.verl")
 CORE_ALGOS = "verl.trainer.ppo.core_algos"
 V1 = "verl.trainer.ppo.v1"
 _ACTIVE: set[str] = set()  # plugins activated in this process (patched or waiting for import)
-_PATCHED: set[str] = set()  # plugins whose seam is patched now
 
 
 def active_plugins() -> frozenset[str]:
     """The plugins patched in this process (``"gae"`` once core_algos is imported and patched,
     ``"overlap"`` once the trainer modes are registered)."""
-    return frozenset(_PATCHED)
+    return frozenset(PATCHED)
 
 
 def _patch_gae(core_algos: ModuleType) -> None:
     from . import gae_plugin
 
-    if "gae" in _PATCHED:
-        return
-    check_gae_seam(core_algos, check_version())
-    stock = core_algos.compute_gae_advantage_return
-    gae_plugin._STOCK["compute_gae_advantage_return"] = stock
-    core_algos.compute_gae_advantage_return = gae_plugin.fused_compute_gae_advantage_return
-    # the registry's "gae" entry too, so get_adv_estimator_fn("gae") agrees with the attribute
-    registry = getattr(core_algos, "ADV_ESTIMATOR_REGISTRY", {})
-    if registry.get("gae") is stock:
-        registry["gae"] = gae_plugin.fused_compute_gae_advantage_return
-    _PATCHED.add("gae")
+    gae_plugin.install(core_algos)
 
 
 def install_gae() -> None:
@@ -52,20 +42,10 @@ def install_gae() -> None:
 
 def uninstall_gae() -> None:
     """Put verl's own GAE back (tests; a process that turned the plugin on and off)."""
-    import sys
-
     from . import gae_plugin
 
     _ACTIVE.discard("gae")
-    core_algos = sys.modules.get(CORE_ALGOS)
-    stock = gae_plugin._STOCK.pop("compute_gae_advantage_return", None)
-    if core_algos is not None and stock is not None:
-        fused = core_algos.compute_gae_advantage_return
-        core_algos.compute_gae_advantage_return = stock
-        registry = getattr(core_algos, "ADV_ESTIMATOR_REGISTRY", {})
-        if registry.get("gae") is fused:
-            registry["gae"] = stock
-    _PATCHED.discard("gae")
+    gae_plugin.uninstall()
 
 
 def _register_overlap(v1: ModuleType) -> None:
@@ -75,7 +55,7 @@ def _register_overlap(v1: ModuleType) -> None:
     from . import overlap
 
     overlap.register_modes()
-    _PATCHED.add("overlap")
+    PATCHED.add("overlap")
 
 
 def activate(plugins: frozenset[str] | set[str], *, where: str = "RLHF_FUSION_VERL") -> None:
