@@ -9,9 +9,10 @@ The modes registered here (``rlhf_fusion_sync``, ``rlhf_fusion_colocate_async``,
 ``rlhf_fusion_separate_async``: verl's three modes with this mixin) run verl's own
 ``_update_critic`` on a thread, started where the stock step calls it, and verl's own
 ``_update_actor`` on the calling thread; the step joins the Critic's thread before it returns.
-Nothing else of the step changes. Each update gets its own copy of the batch's ``extra_info``
-(both write their mini-batch sizes, epochs and seeds there), the Critic's metrics are merged
-before the Actor's, and the batch returned carries both updates' ``extra_info`` in verl's order.
+Nothing else of the step changes. The Critic's update gets its own copy of the batch's
+``extra_info`` (both updates write their mini-batch sizes, epochs and seeds there), its metrics
+are merged into the step's when it is joined, and the batch returned carries both updates'
+``extra_info`` in verl's order.
 
 They only overlap when the Critic has a resource pool of its own. verl puts the Critic in
 ``global_pool`` with the Actor (``_init_resource_pool_mgr``); there ``_setup`` fuses every role
@@ -24,10 +25,10 @@ it the mode logs why it runs the updates one after the other, and runs them as v
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
-import time
 from typing import Any
 
 from verl.trainer.ppo.v1 import trainer_base
@@ -53,10 +54,8 @@ class _CriticUpdate:
         self.batch.extra_info = dict(batch.extra_info)
         self.metrics: dict[str, Any] = {}
         self.error: BaseException | None = None
-        self.elapsed_s = 0.0
         self.thread = threading.Thread(target=self._run, args=(trainer,), daemon=True,
                                        name="rlhf_fusion-critic-update")
-        self.started = time.perf_counter()
         self.thread.start()
 
     def _run(self, trainer: Any) -> None:
@@ -64,8 +63,6 @@ class _CriticUpdate:
             trainer._stock_update_critic(self.batch, self.metrics)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the step's thread by join()
             self.error = exc
-        finally:
-            self.elapsed_s = time.perf_counter() - self.started
 
     def join(self) -> None:
         self.thread.join(JOIN_TIMEOUT_S)
@@ -185,7 +182,9 @@ class OverlapUpdatesMixin:
         try:
             batch = super()._step_once(metrics, timing_raw, sample_batch_size)  # type: ignore[misc]
         except BaseException:
-            self._finish_critic_update(metrics)
+            # wait for the Critic's update, but fail with what failed first
+            with contextlib.suppress(BaseException):
+                self._finish_critic_update(metrics)
             raise
         # the Actor did not update (critic_warmup): wait for the Critic here
         self._finish_critic_update(metrics, batch)
