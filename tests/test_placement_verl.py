@@ -65,3 +65,23 @@ def test_what_verl_cannot_place_is_noted():
     assert any(n.startswith("critic_inf on") for n in cfg.notes)
     assert text.startswith("# python -m verl.trainer.main_ppo")
     assert all(f"    {o}" in text for o in cfg.overrides)
+
+
+def test_cli_writes_verl_txt(tmp_path, capsys):
+    import yaml
+
+    from rlhf_fusion.cli import main
+
+    cfg = tmp_path / "p.yaml"
+    cfg.write_text(yaml.safe_dump({
+        "models": {"actor": "1b", "critic": "1b"}, "cluster": {"nodes": 2, "gpus_per_node": 8},
+        "batch": 64, "prompt_len": 256, "gen_len": 256}))
+    out = tmp_path / "out"
+    assert main(["plan", str(cfg), "--out", str(out), "--preset", "interleaved2", "--verl",
+                 "--quiet"]) == 0
+    text = (out / "verl.txt").read_text()
+    assert "+rlhf_fusion.critic_pool.n_gpus_per_node=8" in text
+    assert text in capsys.readouterr().out
+    assert main(["plan", str(cfg), "--out", str(tmp_path / "plain"), "--preset", "colocated",
+                 "--quiet"]) == 0
+    assert not (tmp_path / "plain" / "verl.txt").exists()
