@@ -188,6 +188,7 @@ def test_zero_semantics_match_openrlhf():
         torch.testing.assert_close(ret.double(), want_ret, **close)
 
 
+@pytest.mark.verl  # runs in .ci/verl, where verl 0.9.1 is installed
 def test_skip_semantics_match_verl():
     """verl: ``compute_gae_advantage_return`` returns whitened advantages and raw returns."""
     verl_gae = _peer("verl.trainer.ppo.core_algos", "compute_gae_advantage_return")

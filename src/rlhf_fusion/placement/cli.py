@@ -23,6 +23,9 @@ def add_plan_parser(p: argparse.ArgumentParser) -> None:
                    help="print a preset (colocated, interleaved, interleaved2, disaggregated) "
                         "instead of searching")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--verl", action="store_true",
+                   help="also write verl.txt: the plan as verl 0.9 resource pools and main_ppo "
+                        "Hydra overrides (docs/verl.md)")
 
 
 def run_plan(args: argparse.Namespace) -> int:
@@ -95,4 +98,11 @@ def run_plan(args: argparse.Namespace) -> int:
                    out / "timeline.png")
     (out / "problem.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(f"  wrote {out / 'plan.json'}, {out / 'timeline.png'}")
+    if getattr(args, "verl", False):
+        from .verl_config import verl_config
+
+        text = verl_config(plan).text()
+        (out / "verl.txt").write_text(text)
+        print(text, end="")
+        print(f"  wrote {out / 'verl.txt'}")
     return 0

@@ -1,0 +1,90 @@
+"""The verl versions and seams the plugins use, checked before anything is patched.
+
+verl 0.9.1 is the version read and tested. Each plugin checks the exact seam it replaces (the
+function's signature, the call site that reads it as a module attribute, the trainer methods it
+reorders), so a verl that moved one fails here with its version, not with a wrong result.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+from typing import Any
+
+from .options import VerlPluginError
+
+__all__ = ["SUPPORTED_TEXT", "check_gae_seam", "check_overlap_seam", "check_version",
+           "installed_version"]
+
+SUPPORTED = (">=0.9.1", "<0.10")
+SUPPORTED_TEXT = "verl>=0.9.1,<0.10"
+GAE_PARAMS = ["token_level_rewards", "values", "response_mask", "gamma", "lam"]
+
+
+def installed_version() -> str:
+    try:
+        return importlib.metadata.version("verl")
+    except importlib.metadata.PackageNotFoundError:
+        raise VerlPluginError(
+            f"verl is not installed; pip install 'rlhf-fusion[verl]' ({SUPPORTED_TEXT})") from None
+
+
+def check_version(version: str | None = None) -> str:
+    """The installed (or given) verl version if supported, else a VerlPluginError."""
+    from packaging.specifiers import SpecifierSet
+    from packaging.version import Version
+
+    version = installed_version() if version is None else version
+    if Version(version) not in SpecifierSet(",".join(SUPPORTED)):
+        raise VerlPluginError(
+            f"verl {version} is not supported by rlhf_fusion.integrations.verl (verified with "
+            f"{SUPPORTED_TEXT}); install verl==0.9.1 or unset RLHF_FUSION_VERL to run verl stock")
+    return version
+
+
+def _moved(version: str, what: str) -> VerlPluginError:
+    return VerlPluginError(
+        f"verl {version}: {what}; rlhf_fusion's verl plugins were written against verl 0.9.1 "
+        f"({SUPPORTED_TEXT}). Unset RLHF_FUSION_VERL (and drop +rlhf_fusion.*) to run verl stock")
+
+
+def check_gae_seam(core_algos: Any, version: str) -> None:
+    """``core_algos.compute_gae_advantage_return(token_level_rewards, values, response_mask,
+    gamma, lam)`` exists, and both trainers reach it through the module attribute: the legacy
+    ``ray_trainer.compute_advantage`` calls ``core_algos.compute_gae_advantage_return(...)`` and
+    the v1 trainer's ``compute_advantage_for_multi_trajectories`` delegates GAE to it."""
+    fn = getattr(core_algos, "compute_gae_advantage_return", None)
+    if fn is None:
+        raise _moved(version, "verl.trainer.ppo.core_algos has no compute_gae_advantage_return")
+    params = list(inspect.signature(fn).parameters)
+    if params != GAE_PARAMS:
+        raise _moved(version, f"compute_gae_advantage_return{tuple(params)} is not "
+                              f"compute_gae_advantage_return{tuple(GAE_PARAMS)}")
+    import verl.trainer.ppo.ray_trainer as ray_trainer
+
+    src = inspect.getsource(ray_trainer.compute_advantage)
+    if "core_algos.compute_gae_advantage_return(" not in src:
+        raise _moved(version, "ray_trainer.compute_advantage no longer calls "
+                              "core_algos.compute_gae_advantage_return (the patched attribute)")
+    if getattr(ray_trainer, "compute_gae_advantage_return", None) is not None:
+        raise _moved(version, "ray_trainer imports compute_gae_advantage_return by name, so "
+                              "patching core_algos would not reach it")
+
+
+def check_overlap_seam(trainer_base: Any, version: str) -> None:
+    """v1 ``PPOTrainer._step_once`` updates the Critic (``_update_critic``, which dispatches
+    ``critic_wg.train_mini_batch`` without blocking and then waits) before the Actor
+    (``_update_actor``), and ``register_trainer`` exists."""
+    for name in ("PPOTrainer", "register_trainer", "TRAINER_REGISTRY"):
+        if not hasattr(trainer_base, name):
+            raise _moved(version, f"verl.trainer.ppo.v1.trainer_base has no {name}")
+    cls = trainer_base.PPOTrainer
+    step = inspect.getsource(cls._step_once)
+    i_critic, i_actor = step.find("self._update_critic("), step.find("self._update_actor(")
+    if i_critic < 0 or i_actor < 0 or i_critic > i_actor:
+        raise _moved(version, "PPOTrainer._step_once no longer calls _update_critic and then "
+                              "_update_actor")
+    update = inspect.getsource(cls._update_critic)
+    if "self.critic_wg.train_mini_batch(" not in update or ".get()" not in update:
+        raise _moved(version, "PPOTrainer._update_critic no longer dispatches "
+                              "critic_wg.train_mini_batch and waits on its future")
