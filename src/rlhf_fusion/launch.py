@@ -33,8 +33,8 @@ Two more things for processes that run the loop:
   ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or ``srun``
   (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODELIST) gives each process, and
   :func:`join_group` joins that group instead of spawning ranks;
-* **a stop at an iteration boundary** (preemption): :func:`stop_on_sigterm` makes SIGTERM (and
-  SIGUSR1, SLURM's ``--signal=USR1@SECONDS`` warning) only record a request,
+* **a stop at an iteration boundary** (preemption): :func:`stop_on_signals` makes SIGTERM and
+  SIGUSR1 (SLURM's ``--signal=USR1@SECONDS`` warning) only record a request,
   :func:`agree_to_stop` tells every rank, at the same point of the run, whether any of them
   was asked to stop (SLURM signals every process, ``torchrun`` forwards the signal to its own
   node's ranks, a launcher forwards it to its spawned ranks). A process is often signalled
@@ -151,12 +151,18 @@ def _record_stop(signum: int, frame: Any) -> None:
         _stop_signal = signum
 
 
-def stop_on_sigterm() -> None:
+def stop_on_signals() -> None:
     """Make SIGTERM and SIGUSR1 (:data:`STOP_SIGNALS`) only record a stop request (a rank: the
     run checks it with :func:`agree_to_stop` at its iteration boundaries); a repeat is the
     same request."""
     for s in STOP_SIGNALS:
         signal.signal(s, _record_stop)
+
+
+def stop_on_sigterm() -> None:
+    """:func:`stop_on_signals` for SIGTERM alone (Lightning's workers: SIGUSR1 stays with
+    Lightning's SLURM auto-requeue)."""
+    signal.signal(signal.SIGTERM, _record_stop)
 
 
 def _pass_on(signum: int) -> None:
@@ -481,7 +487,7 @@ def _worker(
     # process) is a request to stop at the next boundary; the launcher stops a rank at once
     # with SIGKILL. They were blocked from the start (run_ranks): one sent before this line
     # was held, and is recorded now instead of killing the rank.
-    stop_on_sigterm()
+    stop_on_signals()
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     _stage_buf = stage
     note_stage("start-up")
