@@ -372,7 +372,7 @@ def test_slurm_host_lists_expand_as_scontrol_does():
         "rack2-n10"]
     with pytest.raises(LaunchEnvError, match="unbalanced"):
         expand_hostlist("node[1-2")
-    with pytest.raises(LaunchEnvError, match=r"the range '03-1' runs backwards \(write 1-03\)"):
+    with pytest.raises(LaunchEnvError, match=r"the range '03-1' runs backwards \(write 01-03\)"):
         expand_hostlist("node[03-1]")
     with pytest.raises(LaunchEnvError, match="names no host"):
         expand_hostlist(" , ")

@@ -291,7 +291,7 @@ def _expand_host(name: str) -> list[str]:
             raise LaunchEnvError(f"host list entry {name!r}: {part!r} is not N or N-M")
         if hi and int(hi) < int(lo):
             raise LaunchEnvError(f"host list entry {name!r}: the range {part!r} runs backwards "
-                                 f"(write {hi}-{lo})")
+                                 f"(write {hi.zfill(len(lo))}-{lo})")
         for v in range(int(lo), int(hi or lo) + 1):
             values.append(str(v).zfill(len(lo)))
     return [head + v + rest for v in values for rest in _expand_host(tail)]
