@@ -325,7 +325,8 @@ def _signal_as_clusters_do(proc: subprocess.Popen, how: str) -> None:
     the launcher (which passes it on again) 50 ms later, as torchrun's agent follows SLURM's
     signal to its worker. ``again-at-grace-end``: SIGTERM to the launcher, then every process
     again 0.3 s later, while the iteration is still running (SLURM's preemption signals again
-    when GraceTime ends). ``usr1``: SLURM's ``--signal=USR1@90`` warning to every process."""
+    when GraceTime ends), and again every 0.1 s until it has exited (a repeat while a process
+    exits must not kill it). ``usr1``: SLURM's ``--signal=USR1@90`` warning to every process."""
     ranks = _ranks_of(proc)
     if how == "ranks-then-launcher":
         for r in ranks:
@@ -336,8 +337,14 @@ def _signal_as_clusters_do(proc: subprocess.Popen, how: str) -> None:
         os.kill(proc.pid, signal.SIGTERM)
         time.sleep(0.3)
         assert proc.poll() is None, "the run ended before the second signal: nothing tested"
-        for p in (psutil.Process(proc.pid), *ranks):
-            p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            for p in (psutil.Process(proc.pid), *ranks):
+                try:
+                    p.send_signal(signal.SIGTERM)
+                except psutil.NoSuchProcess:
+                    pass
+            time.sleep(0.1)
     else:
         for p in (psutil.Process(proc.pid), *ranks):
             p.send_signal(signal.SIGUSR1)

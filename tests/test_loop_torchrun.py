@@ -249,7 +249,8 @@ def test_signals_as_slurm_sends_them_to_torchrun_end_both_nodes_gracefully(
         tmp_path, spawned_run, monkeypatch, how):
     """``srun torchrun``: SLURM signals every process of the step, the worker and torchrun's
     agent, which passes another SIGTERM on 50 ms later (``worker-then-agent``); preemption
-    signals again when GraceTime ends (``again-at-grace-end``: the workers, 0.3 s apart);
+    signals again when GraceTime ends (``again-at-grace-end``: the workers 0.3 s later, and
+    every 0.1 s until they have exited: a repeat while a process exits must not kill it);
     ``--signal=USR1@90`` sends SIGUSR1 to both, and the agent passes it on when it handles it
     (TORCHELASTIC_SIGNALS_TO_HANDLE). Each is one stop: both nodes end at one boundary with
     that iteration checkpointed, no stage reports an error, and --resume equals the spawned
@@ -267,8 +268,14 @@ def test_signals_as_slurm_sends_them_to_torchrun_end_both_nodes_gracefully(
     time.sleep(0.05 if how != "again-at-grace-end" else 0.3)
     if how == "again-at-grace-end":
         assert all(p.poll() is None for p in procs), "the run ended before the second signal"
-        for w in workers:
-            w.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 90
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            for w in workers:
+                try:
+                    w.send_signal(signal.SIGTERM)
+                except psutil.NoSuchProcess:
+                    pass
+            time.sleep(0.1)
     else:
         for p in procs:
             p.send_signal(sig)

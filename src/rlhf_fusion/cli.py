@@ -117,6 +117,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cancel_stop_deadline,
         exit_promptly,
         group_from_env,
+        ignore_stop_signals,
         stop_gracefully_on_signals,
     )
     from .loop import LoopConfigError, RLHFConfig, load_prompts, train
@@ -165,6 +166,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             exit_promptly(128 + exc.signum)
         finally:
             cancel_stop_deadline()
+            ignore_stop_signals()   # a repeat while exiting must not kill a finished run
         if out.get("stopped") is not None and lead:
             it = out["stopped"]
             name = signal.Signals(out["stop_signal"] or signal.SIGTERM).name

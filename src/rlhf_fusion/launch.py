@@ -210,6 +210,15 @@ def cancel_stop_deadline() -> None:
     signal.setitimer(signal.ITIMER_REAL, 0)
 
 
+def ignore_stop_signals() -> None:
+    """The command has ended and this process is exiting: a SIGTERM or SIGUSR1 now is a late
+    repeat of a stop already obeyed (SLURM and torchrun signal again). Ignored, since at
+    shutdown Python gives the signals their default action back (termination) while torch's
+    teardown can take seconds, and a run that stopped cleanly would end as killed by SIGTERM."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
+
+
 def clear_stop_request() -> None:
     """Forget a stop request (the run it was for has stopped)."""
     global _stop_signal
