@@ -313,6 +313,41 @@ def test_sigterm_past_the_grace_drops_the_iteration_and_stops_every_rank(tmp_pat
     assert "continue with --resume" in err and "Traceback" not in err, err[-3000:]
 
 
+def test_repeats_are_one_request_and_only_sigint_or_the_deadline_stop_at_once():
+    """The CLI's handlers, in this process: SIGUSR1 then SIGTERMs record one request (the
+    first signal's) and raise nothing; the deadline, counted from the first, raises
+    RunInterrupted naming it; SIGINT raises at once."""
+    from rlhf_fusion import launch
+
+    saved = {s: signal.getsignal(s) for s in (*launch.STOP_SIGNALS, signal.SIGINT,
+                                              signal.SIGALRM)}
+    try:
+        launch.stop_gracefully_on_signals(0.5)
+        t0 = time.monotonic()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        for _ in range(3):
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert launch.stop_requested() == signal.SIGUSR1
+        with pytest.raises(launch.RunInterrupted) as late:
+            while time.monotonic() - t0 < 10:
+                time.sleep(0.01)
+        assert late.value.signum == signal.SIGUSR1 and 0.4 < time.monotonic() - t0 < 5
+        assert "did not reach an iteration boundary within 0.5 s" in str(late.value)
+        launch.clear_stop_request()
+        launch.stop_gracefully_on_signals(60)
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(launch.RunInterrupted) as now:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        assert now.value.signum == signal.SIGINT
+    finally:
+        launch.cancel_stop_deadline()
+        launch.clear_stop_request()
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
 def _ranks_of(proc: subprocess.Popen) -> list[psutil.Process]:
     ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
              if "spawn_main" in " ".join(p.cmdline())]
@@ -350,7 +385,8 @@ def _signal_as_clusters_do(proc: subprocess.Popen, how: str) -> None:
             p.send_signal(signal.SIGUSR1)
 
 
-@pytest.mark.parametrize("how", ["ranks-then-launcher", "again-at-grace-end", "usr1"])
+@pytest.mark.parametrize("how", ["ranks-then-launcher", "again-at-grace-end",
+                                 pytest.param("usr1", marks=pytest.mark.slow)])
 def test_repeated_and_early_warning_signals_are_one_graceful_stop(tmp_path, reference_run, how):
     """The signals as SLURM and torchrun deliver them: every repeat within the grace is the same
     request, SIGUSR1 is one too. The run ends at the next boundary with that iteration

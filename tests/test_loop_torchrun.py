@@ -244,7 +244,8 @@ def _resumes_to_the_spawned_run(tmp_path: Path, outs: tuple[Path, Path],
         assert {k: x[k] for k in LEARNING} == {k: y[k] for k in LEARNING}, x["iteration"]
 
 
-@pytest.mark.parametrize("how", ["worker-then-agent", "again-at-grace-end", "usr1"])
+@pytest.mark.parametrize("how", ["worker-then-agent", "again-at-grace-end",
+                                 pytest.param("usr1", marks=pytest.mark.slow)])
 def test_signals_as_slurm_sends_them_to_torchrun_end_both_nodes_gracefully(
         tmp_path, spawned_run, monkeypatch, how):
     """``srun torchrun``: SLURM signals every process of the step, the worker and torchrun's
