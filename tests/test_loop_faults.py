@@ -313,6 +313,128 @@ def test_sigterm_past_the_grace_drops_the_iteration_and_stops_every_rank(tmp_pat
     assert "continue with --resume" in err and "Traceback" not in err, err[-3000:]
 
 
+def test_repeats_are_one_request_and_only_sigint_or_the_deadline_stop_at_once():
+    """The CLI's handlers, in this process: SIGUSR1 then SIGTERMs record one request (the
+    first signal's) and raise nothing; the deadline, counted from the first, raises
+    RunInterrupted naming it; SIGINT raises at once."""
+    from rlhf_fusion import launch
+
+    saved = {s: signal.getsignal(s) for s in (*launch.STOP_SIGNALS, signal.SIGINT,
+                                              signal.SIGALRM)}
+    try:
+        launch.stop_gracefully_on_signals(0.5)
+        t0 = time.monotonic()
+        os.kill(os.getpid(), signal.SIGUSR1)
+        for _ in range(3):
+            time.sleep(0.05)
+            os.kill(os.getpid(), signal.SIGTERM)
+        assert launch.stop_requested() == signal.SIGUSR1
+        with pytest.raises(launch.RunInterrupted) as late:
+            while time.monotonic() - t0 < 10:
+                time.sleep(0.01)
+        assert late.value.signum == signal.SIGUSR1 and 0.4 < time.monotonic() - t0 < 5
+        assert "did not reach an iteration boundary within 0.5 s" in str(late.value)
+        launch.clear_stop_request()
+        launch.stop_gracefully_on_signals(60)
+        os.kill(os.getpid(), signal.SIGTERM)
+        with pytest.raises(launch.RunInterrupted) as now:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(1)
+        assert now.value.signum == signal.SIGINT
+    finally:
+        launch.cancel_stop_deadline()
+        launch.clear_stop_request()
+        for s, h in saved.items():
+            signal.signal(s, h)
+
+
+def _ranks_of(proc: subprocess.Popen) -> list[psutil.Process]:
+    ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+             if "spawn_main" in " ".join(p.cmdline())]
+    assert len(ranks) == 2, ranks
+    return ranks
+
+
+def _signal_as_clusters_do(proc: subprocess.Popen, how: str) -> None:
+    """``ranks-then-launcher``: SLURM signals every process of the step, the ranks first and
+    the launcher (which passes it on again) 50 ms later, as torchrun's agent follows SLURM's
+    signal to its worker. ``again-at-grace-end``: SIGTERM to the launcher, then every process
+    again 0.3 s later, while the iteration is still running (SLURM's preemption signals again
+    when GraceTime ends), and again every 0.1 s until it has exited (a repeat while a process
+    exits must not kill it). ``usr1``: SLURM's ``--signal=USR1@90`` warning to every process."""
+    ranks = _ranks_of(proc)
+    if how == "ranks-then-launcher":
+        for r in ranks:
+            r.send_signal(signal.SIGTERM)
+        time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGTERM)
+    elif how == "again-at-grace-end":
+        os.kill(proc.pid, signal.SIGTERM)
+        time.sleep(0.3)
+        assert proc.poll() is None, "the run ended before the second signal: nothing tested"
+        deadline = time.monotonic() + 60
+        while proc.poll() is None and time.monotonic() < deadline:
+            for p in (psutil.Process(proc.pid), *ranks):
+                try:
+                    p.send_signal(signal.SIGTERM)
+                except psutil.NoSuchProcess:
+                    pass
+            time.sleep(0.1)
+    else:
+        for p in (psutil.Process(proc.pid), *ranks):
+            p.send_signal(signal.SIGUSR1)
+
+
+@pytest.mark.parametrize("how", ["ranks-then-launcher", "again-at-grace-end",
+                                 pytest.param("usr1", marks=pytest.mark.slow)])
+def test_repeated_and_early_warning_signals_are_one_graceful_stop(tmp_path, reference_run, how):
+    """The signals as SLURM and torchrun deliver them: every repeat within the grace is the same
+    request, SIGUSR1 is one too. The run ends at the next boundary with that iteration
+    checkpointed, exits 0, and --resume equals the uninterrupted run."""
+    out = tmp_path / "out"
+    proc = _cli(tmp_path, out, "--checkpoint-every", "100", "--stop-grace", "60",
+                iterations=N, inter=False)
+    _wait_rows(proc, out, 2)
+    tree = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
+    t0 = time.monotonic()
+    _signal_as_clusters_do(proc, how)
+    _gone_within(tree, 60)
+    _, err = proc.communicate(timeout=10)
+    print(f"[signal] {how}: every process gone {time.monotonic() - t0:.2f} s after the first")
+    assert proc.returncode == 0, err[-3000:]
+    for bad in ("Traceback", "train: error", "leaked semaphore"):
+        assert bad not in err, err[-3000:]
+    done = complete_checkpoints(out)
+    stopped = done[-1][0]
+    assert [it for it, _ in done] == [stopped] and stopped < N, "the run ended before the signal"
+    name = "SIGUSR1" if how == "usr1" else "SIGTERM"
+    assert f"stopped by {name} after {stopped} of {N} iterations; its checkpoint is " in err, \
+        err[-3000:]
+    assert [r["iteration"] for r in _rows(out)] == list(range(stopped))
+    _resumes_exactly(tmp_path, out, reference_run)
+
+
+def test_a_sigterm_while_the_ranks_start_is_held_until_they_record_it(tmp_path):
+    """A rank signalled before it has set up its handler (SLURM signals every process, the
+    launcher passes it on) must not die of SIGTERM's default action: the launcher blocks the
+    stop signals while it starts the ranks, each rank unblocks them once they are recorded."""
+    out = tmp_path / "out"
+    proc = _cli(tmp_path, out, "--stop-grace", "60", iterations=N, inter=False)
+    deadline = time.monotonic() + 60
+    while True:   # the ranks exist, still importing torch: no handler of ours yet
+        kids = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                if "spawn_main" in " ".join(p.cmdline())]
+        if len(kids) == 2:
+            break
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+        time.sleep(0.01)
+    for p in kids:
+        p.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "stopped by SIGTERM after 0 of" in err and "Died" not in err, err[-3000:]
+
+
 def test_killing_the_launcher_leaves_no_rank_and_no_new_checkpoint(tmp_path):
     out = tmp_path / "out"
     proc = _cli(tmp_path, out, "--keep-checkpoints", "0", iterations=200)

@@ -24,9 +24,11 @@ pytest.importorskip("transformers")
 from rlhf_fusion.launch import (  # noqa: E402
     JoinedGroup,
     LaunchEnvError,
+    RunInterrupted,
     expand_hostlist,
     free_port,
     group_from_env,
+    slurm_port,
 )
 from rlhf_fusion.loop import LoopConfigError, train  # noqa: E402
 from rlhf_fusion.loop.checkpoint import complete_checkpoints  # noqa: E402
@@ -229,6 +231,90 @@ def test_sigterm_to_the_torchrun_agents_is_passed_on_and_the_ranks_checkpoint(tm
     assert not list(outs[0].glob("checkpoints/*.partial"))
 
 
+def _resumes_to_the_spawned_run(tmp_path: Path, outs: tuple[Path, Path],
+                                spawned_run: Path) -> None:
+    resumed = _torchrun(tmp_path, outs, "--resume")
+    errs = _finish(resumed, 600)
+    assert [p.returncode for p in resumed] == [0, 0], [e[-3000:] for e in errs]
+    a, b = _params(outs[0], N), _params(spawned_run, N)
+    assert all(torch.equal(a[k], b[k]) for k in b), _max_diff(a, b)
+    rows, ref = _rows(outs[0]), _rows(spawned_run)
+    assert [r["iteration"] for r in rows] == list(range(N))
+    for x, y in zip(rows, ref, strict=True):
+        assert {k: x[k] for k in LEARNING} == {k: y[k] for k in LEARNING}, x["iteration"]
+
+
+@pytest.mark.parametrize("how", ["worker-then-agent", "again-at-grace-end",
+                                 pytest.param("usr1", marks=pytest.mark.slow)])
+def test_signals_as_slurm_sends_them_to_torchrun_end_both_nodes_gracefully(
+        tmp_path, spawned_run, monkeypatch, how):
+    """``srun torchrun``: SLURM signals every process of the step, the worker and torchrun's
+    agent, which passes another SIGTERM on 50 ms later (``worker-then-agent``); preemption
+    signals again when GraceTime ends (``again-at-grace-end``: the workers 0.3 s later, and
+    every 0.1 s until they have exited: a repeat while a process exits must not kill it);
+    ``--signal=USR1@90`` sends SIGUSR1 to both, and the agent passes it on when it handles it
+    (TORCHELASTIC_SIGNALS_TO_HANDLE). Each is one stop: both nodes end at one boundary with
+    that iteration checkpointed, no stage reports an error, and --resume equals the spawned
+    run. torchrun itself exits 1 once its agent was signalled (its SignalException)."""
+    if how == "usr1":
+        monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    outs = (tmp_path / "out", tmp_path / "node1" / "out")
+    procs = _torchrun(tmp_path, outs, "--stop-grace", "60")
+    workers = [_worker_of(p) for p in procs]
+    _wait_rows(procs, outs[0], 2)
+    sig = signal.SIGUSR1 if how == "usr1" else signal.SIGTERM
+    t0 = time.monotonic()
+    for w in workers:
+        w.send_signal(sig)
+    time.sleep(0.05 if how != "again-at-grace-end" else 0.3)
+    if how == "again-at-grace-end":
+        assert all(p.poll() is None for p in procs), "the run ended before the second signal"
+        deadline = time.monotonic() + 90
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            for w in workers:
+                try:
+                    w.send_signal(signal.SIGTERM)
+                except psutil.NoSuchProcess:
+                    pass
+            time.sleep(0.1)
+    else:
+        for p in procs:
+            p.send_signal(sig)
+    errs = _finish(procs, 90)
+    print(f"[torchrun] {how}: both nodes exited {time.monotonic() - t0:.1f} s later")
+    if how == "again-at-grace-end":
+        assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for e in errs]
+    for err in errs:
+        for bad in ("LoopStageError", "RunInterrupted", "train: error", "ChildFailedError"):
+            assert bad not in err, err[-3000:]
+    done = complete_checkpoints(outs[0])
+    stopped = done[-1][0]
+    assert stopped < N, "the signal came after the run ended: raise N"
+    name = signal.Signals(sig).name
+    assert f"stopped by {name} after {stopped} of {N} iterations" in errs[0], errs[0][-3000:]
+    assert [r["iteration"] for r in _rows(outs[0])] == list(range(stopped))
+    assert not outs[1].exists()
+    _resumes_to_the_spawned_run(tmp_path, outs, spawned_run)
+
+
+def test_a_joined_run_past_its_grace_exits_143_not_as_a_stage_error(tmp_path):
+    """Grace expiry in a joined run: the stop interrupts a stage, and passes through its
+    wrapper unchanged (before, it became a LoopStageError and exit 1)."""
+    outs = (tmp_path / "out", tmp_path / "node1" / "out")
+    procs = _torchrun(tmp_path, outs, "--stop-grace", "0.02")
+    workers = [_worker_of(p) for p in procs]
+    _wait_rows(procs, outs[0], 2)
+    for w in workers:
+        w.send_signal(signal.SIGTERM)
+    errs = _finish(procs, 60)
+    for err in errs:
+        assert "LoopStageError" not in err and "train: error" not in err, err[-3000:]
+    assert "stopped by SIGTERM: the run did not reach an iteration boundary within 0.02 s" \
+        in errs[0], errs[0][-3000:]
+    # torchrun reports its worker's exit code: 143, not 1
+    assert "exitcode  : 143" in errs[0] or "exit code 143" in errs[0], errs[0][-3000:]
+
+
 def test_processes_started_with_srun_variables_join_and_equal_the_spawned_run(
         tmp_path, spawned_run):
     """What srun gives each task (no SLURM here: the variables set by hand, one process per
@@ -256,8 +342,8 @@ SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
 
 def test_slurm_variables_give_the_group_and_the_first_host_as_master():
     assert group_from_env(SLURM) == JoinedGroup(
-        rank=3, world_size=4, local_rank=1, master_addr="gpu07", master_port=15000 + 6789,
-        source="SLURM")
+        rank=3, world_size=4, local_rank=1, master_addr="gpu07",
+        master_port=15000 + 789 * 16, source="SLURM")
     # the step's own values win over the job's; MASTER_ADDR / MASTER_PORT over the defaults
     step = {**SLURM, "SLURM_STEP_NUM_TASKS": "2", "SLURM_PROCID": "1",
             "SLURM_STEP_NODELIST": "node[3-4]", "MASTER_PORT": "29511"}
@@ -294,6 +380,81 @@ def test_slurm_host_lists_expand_as_scontrol_does():
         "rack2-n10"]
     with pytest.raises(LaunchEnvError, match="unbalanced"):
         expand_hostlist("node[1-2")
+    with pytest.raises(LaunchEnvError, match=r"the range '03-1' runs backwards \(write 01-03\)"):
+        expand_hostlist("node[03-1]")
+    with pytest.raises(LaunchEnvError, match="names no host"):
+        expand_hostlist(" , ")
+
+
+def test_two_steps_of_one_job_get_different_ports_and_master_port_wins():
+    """Two `srun` steps of one job running at once (step ids 0 and 1) rendezvous on different
+    ports; every task of one step computes the same; MASTER_PORT set by the user wins."""
+    step0 = {**SLURM, "SLURM_STEP_ID": "0"}
+    step1 = {**SLURM, "SLURM_STEP_ID": "1"}
+    ports = {group_from_env(e).master_port for e in (step0, step1)}
+    assert len(ports) == 2, ports
+    assert all(15000 <= p < 31000 for p in ports)   # below Linux's ephemeral ports
+    tasks = {group_from_env({**step1, "SLURM_PROCID": str(r), "SLURM_LOCALID": str(r % 2)}
+                            ).master_port for r in range(4)}
+    assert tasks == {group_from_env(step1).master_port}
+    # SLURM's older name of the step id is read too; no step id at all is step 0
+    assert group_from_env({**SLURM, "SLURM_STEPID": "1"}).master_port in tasks
+    assert group_from_env(SLURM).master_port == group_from_env(step0).master_port
+    for env in (step0, step1):
+        assert group_from_env({**env, "MASTER_PORT": "29511"}).master_port == 29511
+    # 16 steps of one job at once all differ; jobs differing in their last 3 digits differ
+    assert len({slurm_port(123456789, s) for s in range(16)}) == 16
+    assert len({slurm_port(j, 0) for j in range(1000, 2000)}) == 1000
+
+
+def test_a_process_that_sees_one_gpu_uses_it_whatever_its_local_rank(monkeypatch):
+    """srun --gpus-per-task=1 (or --gpu-bind): each task sees one device, its cuda:0, while
+    SLURM_LOCALID counts the node's tasks. Several devices: cuda:LOCAL_RANK; fewer than
+    LOCAL_RANK + 1: refused, naming the variables to fix. (No GPU here: the count is
+    monkeypatched; the join itself is stubbed where it would need NCCL.)"""
+    import rlhf_fusion.launch as launch
+
+    joined = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: joined.setdefault("device", d))
+    monkeypatch.setattr(launch.dist, "init_process_group",
+                        lambda backend, **k: joined.setdefault("backend", backend))
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(k, "")   # join_group sets them: restored (unset) after the test
+        monkeypatch.delenv(k)
+    group = group_from_env({**SLURM, "SLURM_LOCALID": "3", "MASTER_PORT": "29511"})
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert launch.join_group(group, timeout=5) == torch.device("cuda", 0)
+    assert joined == {"device": torch.device("cuda", 0), "backend": "cpu:gloo,cuda:nccl"}
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
+    assert launch.device_for(3) == torch.device("cuda", 3)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(LaunchEnvError, match=r"LOCAL_RANK=3 but this process sees 2 GPUs "
+                                              r"\(cuda:0 to cuda:1\).*--nproc-per-node.*"
+                                              r"--gpus-per-task=1.*CUDA_VISIBLE_DEVICES.*"
+                                              r"fix LOCAL_RANK \(SLURM_LOCALID under srun\)"):
+        launch.join_group(group, timeout=5)
+
+
+def test_a_stop_passes_through_the_stage_wrapper_unchanged():
+    """RunInterrupted (SIGINT, or a stop whose --stop-grace ran out) is not a stage's failure:
+    the wrapper that names the rank and stage of an error lets it through as it is, so the
+    command exits 128 + signum, not 1."""
+    from types import SimpleNamespace
+
+    from rlhf_fusion.loop.iteration import LoopStageError, PPOWorker
+
+    where = SimpleNamespace(iteration_index=2, rank=1, world=2)
+    stop = RunInterrupted(signal.SIGTERM, "the run did not reach an iteration boundary")
+    with pytest.raises(RunInterrupted) as got:
+        with PPOWorker._stage(where, "training"):
+            raise stop
+    assert got.value is stop
+    assert not isinstance(stop, Exception)   # every `except Exception` on the way lets it by
+    with pytest.raises(LoopStageError, match="rank 1 of 2: training of iteration 2 failed: "
+                                             "ValueError: x"):
+        with PPOWorker._stage(where, "training"):
+            raise ValueError("x")
 
 
 def test_a_group_of_another_size_than_the_config_is_refused_before_joining(tmp_path,

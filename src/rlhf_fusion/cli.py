@@ -117,14 +117,16 @@ def cmd_train(args: argparse.Namespace) -> int:
         cancel_stop_deadline,
         exit_promptly,
         group_from_env,
+        ignore_stop_signals,
         stop_gracefully_on_signals,
     )
     from .loop import LoopConfigError, RLHFConfig, load_prompts, train
     from .loop.checkpoint import checkpoint_dir, complete_checkpoints
     from .loop.demo import demo_prompts
 
-    # SIGTERM: stop at the next iteration boundary with a checkpoint, exit 0 (preemption);
-    # SIGINT, a second SIGTERM, or no boundary within --stop-grace: stop every rank now.
+    # SIGTERM or SIGUSR1: stop at the next iteration boundary with a checkpoint, exit 0
+    # (preemption; repeats are the same request); SIGINT, or no boundary within --stop-grace:
+    # stop every rank now.
     stop_gracefully_on_signals(args.stop_grace)
     try:
         group = group_from_env()   # started by torchrun or srun: this process is one rank
@@ -147,6 +149,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     except (LoopConfigError, LaunchEnvError) as exc:
         print(f"rlhf-fusion train: error: {exc}", file=sys.stderr)
         return 2
+    except RunInterrupted as exc:   # before any rank started: nothing to keep
+        print(f"\nrlhf-fusion train: {exc}", file=sys.stderr)
+        return 128 + exc.signum
 
     def run() -> None:
         try:
@@ -161,6 +166,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             exit_promptly(128 + exc.signum)
         finally:
             cancel_stop_deadline()
+            ignore_stop_signals()   # a repeat while exiting must not kill a finished run
         if out.get("stopped") is not None and lead:
             it = out["stopped"]
             name = signal.Signals(out["stop_signal"] or signal.SIGTERM).name
@@ -175,8 +181,8 @@ def cmd_train(args: argparse.Namespace) -> int:
 STOP_GRACE_S = 25.0
 """`train --stop-grace`'s default: seconds a SIGTERMed run has to finish its iteration and
 write the checkpoint before every rank is stopped at once. Below the 30 s that Kubernetes
-(terminationGracePeriodSeconds), SLURM (KillWait) and torchrun (--shutdown-timeout) wait
-before SIGKILL by default; raise theirs and this one together for longer iterations."""
+(terminationGracePeriodSeconds) and torchrun (--shutdown-timeout) wait before SIGKILL by
+default; under SLURM preemption the window is GraceTime (+ KillWait): docs/loop.md sizes it."""
 
 ERROR_LOG = "error.log"
 
@@ -455,7 +461,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--resume", action="store_true",
                    help="continue the run in --out from its newest complete checkpoint")
     t.add_argument("--stop-grace", type=float, default=STOP_GRACE_S, metavar="S",
-                   help="after SIGTERM (preemption) the run finishes its iteration, writes its "
+                   help="after SIGTERM or SIGUSR1 (preemption; repeats are one request) the "
+                        "run finishes its iteration, writes its "
                         "checkpoint and exits 0; if that takes longer than S seconds every "
                         f"rank is stopped at once, the iteration dropped (default: "
                         f"{STOP_GRACE_S:g})")

@@ -33,10 +33,14 @@ Two more things for processes that run the loop:
   ``torchrun`` (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT) or ``srun``
   (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_NODELIST) gives each process, and
   :func:`join_group` joins that group instead of spawning ranks;
-* **a stop at an iteration boundary** (preemption): :func:`stop_on_sigterm` makes SIGTERM only
-  record a request, :func:`agree_to_stop` tells every rank, at the same point of the run,
-  whether any of them was asked to stop (SLURM signals every process, ``torchrun`` forwards
-  the signal to its own node's ranks, a launcher forwards it to its spawned ranks).
+* **a stop at an iteration boundary** (preemption): :func:`stop_on_signals` makes SIGTERM and
+  SIGUSR1 (SLURM's ``--signal=USR1@SECONDS`` warning) only record a request,
+  :func:`agree_to_stop` tells every rank, at the same point of the run, whether any of them
+  was asked to stop (SLURM signals every process, ``torchrun`` forwards the signal to its own
+  node's ranks, a launcher forwards it to its spawned ranks). A process is often signalled
+  more than once for one stop (SLURM and torchrun's agent both signal a torchrun worker;
+  SLURM's preemption signals again when GraceTime ends): repeats are the same request, and
+  only SIGINT or the ``grace`` deadline of :func:`stop_gracefully_on_signals` stop at once.
 """
 
 from __future__ import annotations
@@ -95,8 +99,14 @@ class LaunchEnvError(ValueError):
     fix."""
 
 
-class RunInterrupted(Exception):
-    """The launcher was asked to stop (SIGTERM or SIGINT); every rank has been stopped."""
+class RunInterrupted(BaseException):
+    """The launcher was asked to stop now (SIGINT, or a stop request whose ``grace`` ran out);
+    every rank has been stopped.
+
+    A :class:`BaseException`, as ``KeyboardInterrupt`` is: a stop is not an error, so it
+    passes through every ``except Exception`` on its way (the loop's stage wrapper, which
+    would make it a ``LoopStageError``, exit 1) to the command, which exits ``128 + signum``.
+    """
 
     def __init__(self, signum: int, reason: str = ""):
         self.signum = signum
@@ -123,6 +133,12 @@ def exit_promptly(code: int) -> NoReturn:
 _stop_signal: int | None = None
 _children: list[Any] = []  # the ranks run_ranks is waiting on: a stop request is passed on
 
+STOP_SIGNALS: tuple[int, ...] = tuple(
+    s for s in (getattr(signal, "SIGTERM", None), getattr(signal, "SIGUSR1", None)) if s)
+"""Signals that ask for a stop at the next iteration boundary: SIGTERM (SLURM, Kubernetes,
+torchrun's agent) and SIGUSR1 (SLURM's early warning, ``#SBATCH --signal=USR1@90``, the
+signal Lightning's SLURM support listens to)."""
+
 
 def stop_requested() -> int | None:
     """The signal that asked this process to stop at the next boundary (None: none did)."""
@@ -135,46 +151,72 @@ def _record_stop(signum: int, frame: Any) -> None:
         _stop_signal = signum
 
 
+def stop_on_signals() -> None:
+    """Make SIGTERM and SIGUSR1 (:data:`STOP_SIGNALS`) only record a stop request (a rank: the
+    run checks it with :func:`agree_to_stop` at its iteration boundaries); a repeat is the
+    same request."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, _record_stop)
+
+
 def stop_on_sigterm() -> None:
-    """Make SIGTERM only record a stop request (a rank: the run checks it with
-    :func:`agree_to_stop` at its iteration boundaries)."""
+    """:func:`stop_on_signals` for SIGTERM alone (Lightning's workers: SIGUSR1 stays with
+    Lightning's SLURM auto-requeue)."""
     signal.signal(signal.SIGTERM, _record_stop)
 
 
+def _pass_on(signum: int) -> None:
+    """Pass a stop request on to the ranks :func:`run_ranks` started (a rank that has not set
+    up its handler yet holds it blocked until it has: see :func:`run_ranks`)."""
+    for p in list(_children):
+        if p.pid is not None and p.is_alive():
+            try:
+                os.kill(p.pid, signum)
+            except ProcessLookupError:
+                pass
+
+
 def stop_gracefully_on_signals(grace: float) -> None:
-    """CLI use, in the process that runs the command: the first SIGTERM asks for a stop at the
-    next iteration boundary (passed on to the ranks :func:`run_ranks` spawned) and raises
-    :class:`RunInterrupted` if the run has not ended ``grace`` seconds later; SIGINT, or a
-    second SIGTERM, raises it at once (:func:`run_ranks` then stops every rank)."""
+    """CLI use, in the process that runs the command: the first SIGTERM or SIGUSR1 asks for a
+    stop at the next iteration boundary (passed on to the ranks :func:`run_ranks` spawned)
+    and raises :class:`RunInterrupted` if the run has not ended ``grace`` seconds later.
+    Further SIGTERMs/SIGUSR1s are the same request (SLURM and torchrun's agent each signal a
+    worker; SLURM's preemption signals again when its GraceTime ends): they change nothing.
+    SIGINT raises :class:`RunInterrupted` at once (:func:`run_ranks` then stops every rank)."""
 
     def now(signum: int, frame: Any = None, reason: str = "") -> None:
-        for s in (signal.SIGTERM, signal.SIGINT, signal.SIGALRM):
+        for s in (*STOP_SIGNALS, signal.SIGINT, signal.SIGALRM):
             signal.signal(s, signal.SIG_IGN)
         signal.setitimer(signal.ITIMER_REAL, 0)
         raise RunInterrupted(signum, reason)
 
     late = f"the run did not reach an iteration boundary within {grace:g} s (--stop-grace)"
 
-    def on_term(signum: int, frame: Any) -> None:
+    def on_stop(signum: int, frame: Any) -> None:
         if _stop_signal is not None:
-            now(signum)
+            return   # the same stop, asked again: its deadline stands
         _record_stop(signum, frame)
-        for p in list(_children):
-            if p.pid is not None and p.is_alive():
-                try:
-                    os.kill(p.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-        signal.signal(signal.SIGALRM, lambda s, f: now(signal.SIGTERM, reason=late))
-        signal.setitimer(signal.ITIMER_REAL, grace)
+        _pass_on(signum)
+        signal.signal(signal.SIGALRM, lambda s, f: now(signum, reason=late))
+        signal.setitimer(signal.ITIMER_REAL, max(grace, 1e-6))  # 0 would disarm it
 
-    signal.signal(signal.SIGTERM, on_term)
+    for s in STOP_SIGNALS:
+        signal.signal(s, on_stop)
     signal.signal(signal.SIGINT, now)
 
 
 def cancel_stop_deadline() -> None:
     """The run ended by itself: the ``grace`` deadline of a stop request no longer applies."""
     signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def ignore_stop_signals() -> None:
+    """The command has ended and this process is exiting: a SIGTERM or SIGUSR1 now is a late
+    repeat of a stop already obeyed (SLURM and torchrun signal again). Ignored, since at
+    shutdown Python gives the signals their default action back (termination) while torch's
+    teardown can take seconds, and a run that stopped cleanly would end as killed by SIGTERM."""
+    for s in STOP_SIGNALS:
+        signal.signal(s, signal.SIG_IGN)
 
 
 def clear_stop_request() -> None:
@@ -240,6 +282,8 @@ def expand_hostlist(text: str) -> list[str]:
             start = i + 1
     if depth != 0:
         raise LaunchEnvError(f"host list {text!r}: unbalanced brackets")
+    if not hosts:
+        raise LaunchEnvError(f"host list {text!r} names no host")
     return hosts
 
 
@@ -254,6 +298,9 @@ def _expand_host(name: str) -> list[str]:
         lo, _, hi = part.partition("-")
         if not lo.isdigit() or (hi and not hi.isdigit()):
             raise LaunchEnvError(f"host list entry {name!r}: {part!r} is not N or N-M")
+        if hi and int(hi) < int(lo):
+            raise LaunchEnvError(f"host list entry {name!r}: the range {part!r} runs backwards "
+                                 f"(write {hi.zfill(len(lo))}-{lo})")
         for v in range(int(lo), int(hi or lo) + 1):
             values.append(str(v).zfill(len(lo)))
     return [head + v + rest for v in values for rest in _expand_host(tail)]
@@ -264,7 +311,7 @@ def group_from_env(env: dict[str, str] | None = None) -> JoinedGroup | None:
     WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT; they win when both are set) or SLURM's
     (SLURM_PROCID, SLURM_NTASKS or SLURM_STEP_NUM_TASKS, SLURM_LOCALID, the first host of
     SLURM_STEP_NODELIST / SLURM_JOB_NODELIST / SLURM_NODELIST unless MASTER_ADDR is set,
-    MASTER_PORT or 15000 + the last 4 digits of SLURM_JOB_ID as Lightning picks it). None
+    MASTER_PORT or else :func:`slurm_port` of SLURM_JOB_ID and SLURM_STEP_ID). None
     when neither is there, or the group has one process (nothing to join). Raises
     :class:`LaunchEnvError` naming the fix when the variables contradict each other."""
     env = dict(os.environ if env is None else env)
@@ -299,7 +346,8 @@ def group_from_env(env: dict[str, str] | None = None) -> JoinedGroup | None:
         if "MASTER_PORT" in env:
             port = _int_var(env, "MASTER_PORT", "set MASTER_PORT to a free TCP port")
         elif env.get("SLURM_JOB_ID", "").isdigit():
-            port = 15000 + int(env["SLURM_JOB_ID"][-4:])
+            step = env.get("SLURM_STEP_ID", env.get("SLURM_STEPID", "0"))
+            port = slurm_port(int(env["SLURM_JOB_ID"]), int(step) if step.isdigit() else 0)
         else:
             raise LaunchEnvError("SLURM without SLURM_JOB_ID: set MASTER_PORT to a free TCP "
                                  "port (the same on every task)")
@@ -316,20 +364,49 @@ def group_from_env(env: dict[str, str] | None = None) -> JoinedGroup | None:
     return None if group.world_size == 1 else group
 
 
+SLURM_PORTS = (15000, 31000)
+"""The ports :func:`slurm_port` picks from: below Linux's ephemeral range (32768 and up), where
+outgoing connections take theirs."""
+
+
+def slurm_port(job_id: int, step_id: int = 0) -> int:
+    """The rendezvous port of a SLURM step when MASTER_PORT is not set: 15000 + 16 x (the job
+    id's last 3 digits) + the step id modulo 16. Every task of a step computes the same one;
+    two steps of one job running together (``srun ... &`` twice) get different ones (unless
+    their step ids differ by a multiple of 16), as do jobs whose ids differ in the last 3
+    digits. Lightning's 15000 + the job id's last 4 digits gives every step of a job one
+    port."""
+    return SLURM_PORTS[0] + (job_id % 1000) * 16 + step_id % 16
+
+
+def device_for(local_rank: int) -> torch.device:
+    """This process's GPU: ``cuda:LOCAL_RANK`` when the process sees several (torchrun
+    --nproc-per-node, one task per node owning all its GPUs), the one it sees whatever its
+    LOCAL_RANK when it sees one (``srun --gpus-per-task=1``, ``--gpu-bind``, a
+    CUDA_VISIBLE_DEVICES per process: each task's GPU is its ``cuda:0``)."""
+    count = torch.cuda.device_count()
+    if count == 1:
+        return torch.device("cuda", 0)
+    if local_rank >= count:
+        raise LaunchEnvError(
+            f"LOCAL_RANK={local_rank} but this process sees {count} GPUs (cuda:0 to "
+            f"cuda:{count - 1}): give each process one GPU of its own: start at most {count} "
+            "processes per node (torchrun --nproc-per-node, srun --ntasks-per-node), or give "
+            "each task its own GPU (srun --gpus-per-task=1, or CUDA_VISIBLE_DEVICES set per "
+            "process), or fix LOCAL_RANK (SLURM_LOCALID under srun) if whoever sets it "
+            "counts the processes of this node differently")
+    return torch.device("cuda", local_rank)
+
+
 def join_group(group: JoinedGroup, *, timeout: float) -> torch.device:
     """Join ``group`` (every collective bounded by ``timeout`` seconds); returns this process's
-    device: ``cuda:LOCAL_RANK`` with NCCL for CUDA tensors (and gloo for CPU ones) when there
-    is a GPU, else the CPU with gloo."""
+    device: with a GPU, :func:`device_for` (``cuda:LOCAL_RANK``, or the one GPU the process
+    sees) with NCCL for CUDA tensors (and gloo for CPU ones), else the CPU with gloo."""
     os.environ.update(RANK=str(group.rank), WORLD_SIZE=str(group.world_size),
                       LOCAL_RANK=str(group.local_rank), MASTER_ADDR=group.master_addr,
                       MASTER_PORT=str(group.master_port))
     if torch.cuda.is_available():
-        if group.local_rank >= torch.cuda.device_count():
-            raise LaunchEnvError(
-                f"LOCAL_RANK={group.local_rank} but this node has {torch.cuda.device_count()} "
-                "GPUs: start at most one process per GPU on each node (torchrun "
-                "--nproc-per-node, srun --ntasks-per-node)")
-        device = torch.device("cuda", group.local_rank)
+        device = device_for(group.local_rank)
         torch.cuda.set_device(device)
         backend = "cpu:gloo,cuda:nccl"
     else:
@@ -415,9 +492,12 @@ def _worker(
     global _stage_buf
     die_with_parent(parent_pid)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    # SIGTERM (the launcher passing a stop request on, or SLURM signalling every process) is
-    # a request to stop at the next boundary; the launcher stops a rank at once with SIGKILL.
-    stop_on_sigterm()
+    # SIGTERM or SIGUSR1 (the launcher passing a stop request on, or SLURM signalling every
+    # process) is a request to stop at the next boundary; the launcher stops a rank at once
+    # with SIGKILL. They were blocked from the start (run_ranks): one sent before this line
+    # was held, and is recorded now instead of killing the rank.
+    stop_on_signals()
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
     _stage_buf = stage
     note_stage("start-up")
     torch.set_num_threads(threads)
@@ -512,8 +592,16 @@ def run_ranks(
     ]
     try:
         _children[:] = procs
-        for p in procs:
-            p.start()
+        # A rank inherits this thread's signal mask: blocked until it records stop requests
+        # (_worker), a SIGTERM during its start-up is held instead of killing it.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            for p in procs:
+                p.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
+        if _stop_signal is not None:   # asked before the ranks existed
+            _pass_on(_stop_signal)
         results, first_failure = _collect(procs, stages, out, needed, timeout, grace)
     except BaseException:
         _stop(procs, at_once=True)

@@ -95,10 +95,11 @@ class RLHFLoopStrategy(ProcessGroupStrategy):
 class RLHFLoopLauncher(_MultiProcessingLauncher):
     """Lightning's spawn launcher, made safe to stop: workers die with the launching process
     (``PR_SET_PDEATHSIG`` + a watchdog). SIGTERM to the launching process is passed on to the
-    workers, which stop at their next iteration boundary with a checkpoint (preemption); if
-    ``fit`` has not returned ``stop_grace_s`` seconds later, or on SIGINT or a second SIGTERM,
-    or on any error, every worker is killed at once before Lightning's own handling runs
-    (a "graceful shutdown" message and status 1 for an interrupt). Without this, Lightning's
+    workers, which stop at their next iteration boundary with a checkpoint (preemption; a
+    repeated SIGTERM is the same request: SLURM signals again when GraceTime ends); if
+    ``fit`` has not returned ``stop_grace_s`` seconds later, or on SIGINT, or on any error,
+    every worker is killed at once before Lightning's own handling runs (a "graceful
+    shutdown" message and status 1 for an interrupt). Without this, Lightning's
     launcher joins workers that keep training after the launcher was told to stop. Workers
     ignore SIGINT: a Ctrl-C stops them through the launcher.
     """
@@ -131,7 +132,7 @@ class RLHFLoopLauncher(_MultiProcessingLauncher):
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if self._stopping:
-            _sigterm_as_interrupt(signum, frame)
+            return   # the same stop asked again (SLURM, torchrun): its deadline stands
         self._stopping = True
         self.kill(signal.SIGTERM)   # each worker's RLHFModule stops at its iteration's end
         signal.signal(signal.SIGALRM, _sigterm_as_interrupt)
