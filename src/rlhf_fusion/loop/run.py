@@ -153,6 +153,7 @@ def _train_joined(group: Any, cfg: RLHFConfig, prompts: Sequence[str],
 
     from ..launch import join_group
 
+    _check_restartable(group)
     if group.world_size != cfg.world_size:
         var = "WORLD_SIZE" if group.source == "torchrun" else "SLURM_NTASKS"
         how = (f"torchrun --nnodes N --nproc-per-node M with N x M = {cfg.world_size}"
@@ -204,6 +205,23 @@ def _train_joined(group: Any, cfg: RLHFConfig, prompts: Sequence[str],
     out["states"] = [out["state"]]
     out["rank"] = group.rank
     return out
+
+
+def _check_restartable(group: Any) -> None:
+    """Under ``torchrun --max-restarts N`` the ranks must not join through torchrun's own
+    store: since torch 2.5 it is shared with them and outlives an attempt, so a restart's
+    ranks read the dead ones' addresses and fail to connect (pytorch/pytorch#135712). Said
+    at the start, not after the first failure."""
+    env = os.environ
+    if (group.source != "torchrun" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or env.get("TORCHELASTIC_MAX_RESTARTS", "0") in ("", "0")):
+        return
+    raise LoopConfigError(
+        f"torchrun --max-restarts {env['TORCHELASTIC_MAX_RESTARTS']}: torchrun shares its "
+        "rendezvous store with the ranks, and a restart would hand them the previous "
+        "attempt's addresses (pytorch/pytorch#135712): set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+        "in torchrun's environment and use its c10d rendezvous (--standalone or --rdzv-backend "
+        "c10d) (docs/loop.md, Restarts)")
 
 
 def _check_resume_agrees(out_dir: str | Path) -> None:
