@@ -111,7 +111,15 @@ def test_fused_equals_serial_equals_one_device(one_device, serial2):
 
 
 def test_tokens_mechanism_and_fixed_rt_equal_serial(serial2):
-    assert_same_run(run(tiny(2, mechanism="tokens", rt=0.5)), serial2, tol=0.0)
+    fixed = run(tiny(2, mechanism="tokens", rt=0.5))
+    assert_same_run(fixed, serial2, tol=0.0)
+    # R_t fixed at half the batch: the long tail moves (unless the assignment finds the
+    # ranks balanced at the trigger), and the loop says how many samples moved; the serial
+    # run moves none
+    moved = [h["fusion/migrated"] for h in fixed["history"]]
+    assert moved == [float(len(tl["ranks"][0]["moved"])) for tl in fixed["timelines"]]
+    assert sum(moved) > 0, moved
+    assert [h["fusion/migrated"] for h in serial2["history"]] == [0.0] * ITERATIONS
 
 
 def test_four_ranks_and_two_critic_copies_equal_one_device(one_device):

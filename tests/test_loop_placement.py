@@ -135,6 +135,35 @@ def test_sharded_training_resumes_bit_exact(tmp_path):
     assert resumed["history"][2]["objective/scores"] == whole["history"][2]["objective/scores"]
 
 
+def test_data_parallel_replicas_save_one_copy_and_resume_bit_exact(tmp_path):
+    """Whole data-parallel copies of the Actor and Critic on 2 ranks hold equal weights and
+    optimizer state: rank 1's checkpoint file refers to rank 0's instead of repeating them,
+    and the run resumed from it equals the uninterrupted one bit for bit."""
+    import torch
+    from test_loop import merged
+
+    from rlhf_fusion.loop.checkpoint import checkpoint_dir
+
+    cfg = tiny(2, micro_batches=2, placement=PlacementSection(plan=_plan_file(tmp_path, world=2)))
+    whole = run(cfg)
+    out = tmp_path / "out"
+    run(cfg, out_dir=out, checkpoint_every=1, stop_after=2)
+    folder = checkpoint_dir(out, 2)
+    marker = json.loads((folder / "COMPLETE").read_text())
+    assert marker["same_as"] == {"1": {"actor": 0, "critic": 0}}
+    ck1 = torch.load(folder / "rank1.pt", weights_only=False)
+    assert ck1["models"] == {} and ck1["optimizers"] == {}
+    ck0 = torch.load(folder / "rank0.pt", weights_only=False)
+    assert sorted(ck0["models"]) == ["actor", "critic"]
+    assert (folder / "rank1.pt").stat().st_size * 20 < (folder / "rank0.pt").stat().st_size
+    resumed = run(cfg, out_dir=out, checkpoint_every=1, resume=True)
+    assert [h["iteration"] for h in resumed["history"]] == [0, 1, 2]
+    sa, sb = merged(resumed), merged(whole)
+    assert sa.keys() == sb.keys()
+    assert max((sa[k] - sb[k]).abs().max().item() for k in sa) == 0.0
+    assert resumed["history"][2]["objective/scores"] == whole["history"][2]["objective/scores"]
+
+
 def test_two_rank_disaggregated_generates_on_one_instance():
     base = run(tiny(2, inter=False, pipeline_stages=2, micro_batches=2))
     res = run(tiny(2, micro_batches=2, placement=PlacementSection(preset="disaggregated")))

@@ -197,3 +197,22 @@ def test_split_layers_and_errors():
     with pytest.raises(PartitionError, match="not supported"):
         partition_(torch.nn.Linear(2, 2), "actor", 0, 2)
     assert num_layers(_critic(_gpt2(layers=3)), "critic") == 3
+
+
+@pytest.mark.parametrize("make_cfg", [_llama, _qwen2, _gpt2])
+@pytest.mark.parametrize("role", ["actor", "critic"])
+def test_stage_forwards_raise_no_future_warning(make_cfg, role):
+    """The stages call transformers' mask builders and decoder layers as its current API
+    wants: no FutureWarning (transformers deprecates ``past_key_values`` for ``cache``,
+    removed in 5.40) and no DeprecationWarning, as errors here."""
+    import warnings
+
+    cfg = make_cfg()
+    model = _actor(cfg) if role == "actor" else _critic(cfg)
+    mb = _batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        warnings.simplefilter("error", DeprecationWarning)
+        ref = _full_out(model, role, mb)
+        _, _, outs = _chain(model, role, 2, None, mb)
+    assert torch.equal(outs[-1], ref)

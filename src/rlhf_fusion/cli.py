@@ -156,12 +156,15 @@ def cmd_train(args: argparse.Namespace) -> int:
     def run() -> None:
         try:
             out = train(cfg, prompts, out_dir=args.out, checkpoint_every=args.checkpoint_every,
-                        resume=args.resume, overwrite=args.overwrite,
+                        resume=args.resume is not None, overwrite=args.overwrite,
                         keep_checkpoints=args.keep_checkpoints)
         except RunInterrupted as exc:
-            done = complete_checkpoints(args.out)
+            # Rank 0 alone writes checkpoints, into its own --out: another rank's --out
+            # (maybe on another node) says nothing about them.
+            done = complete_checkpoints(args.out) if lead else []
             where = (f"the last complete checkpoint is {done[-1][1]}; continue with --resume"
-                     if done else "no checkpoint was complete")
+                     if done else "no checkpoint was complete" if lead
+                     else "rank 0 reports the last complete checkpoint")
             print(f"\nrlhf-fusion train: {exc}; every rank stopped, {where}", file=sys.stderr)
             exit_promptly(128 + exc.signum)
         finally:
@@ -458,8 +461,10 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--keep-checkpoints", type=_count(0), default=2, metavar="K",
                    help="keep the newest K checkpoints, delete older ones, 0: keep all "
                         "(default: 2)")
-    t.add_argument("--resume", action="store_true",
-                   help="continue the run in --out from its newest complete checkpoint")
+    t.add_argument("--resume", nargs="?", const="auto", choices=["auto"], default=None,
+                   help="continue the run in --out from its newest complete checkpoint, or "
+                        "start it when there is none (`--resume auto`, the same: the way to "
+                        "run under torchrun --max-restarts N, docs/loop.md)")
     t.add_argument("--stop-grace", type=float, default=STOP_GRACE_S, metavar="S",
                    help="after SIGTERM or SIGUSR1 (preemption; repeats are one request) the "
                         "run finishes its iteration, writes its "

@@ -7,13 +7,18 @@ that rebuilds them from the training stages, and sampling is keyed on (seed, ite
 sample), so a resumed run repeats exactly what the uninterrupted run would have done.
 
 On disk, ``OUT/checkpoints/iter_NNNNN/`` holds ``rank{r}.pt`` for every rank and ``COMPLETE``
-(JSON: iteration, world size, each file's size), and is written atomically, by rank 0 alone:
-the other ranks send it their shares one at a time (so OUT need not be shared between nodes,
-and rank 0 holds at most two shares at once); it writes each as ``rank{r}.pt.tmp`` inside
+(JSON: iteration, world size, each file's size, which ranks' roles another rank's file
+holds), and is written atomically, by rank 0 alone: the other ranks stream it
+:func:`torch.save`'s bytes of their shares one rank at a time, in chunks of
+:data:`CHUNK_BYTES` that go straight into the files (so OUT need not be shared between
+nodes, and rank 0 holds one chunk of another rank's share at a time, whatever the share's
+size or device: ``torch.save`` brings one storage at a time to the CPU). Replicas save one
+copy: a rank whose piece of a role a lower rank holds too (:func:`shard_keys`) saves
+``same_as`` instead. Rank 0 writes each file as ``rank{r}.pt.tmp`` inside
 ``iter_NNNNN.partial/`` and renames it, then writes ``COMPLETE`` and renames the folder. A
 folder without the marker, or whose files do not match it, is never resumed from. Resuming,
-rank 0 reads every share and sends each rank its own. A rank whose launcher died writes
-nothing (:func:`rlhf_fusion.launch.orphaned`).
+rank 0 streams each rank its file (and the files its replicas' roles are in), loaded on the
+CPU. A rank whose launcher died writes nothing (:func:`rlhf_fusion.launch.orphaned`).
 """
 
 from __future__ import annotations
@@ -51,9 +56,13 @@ def worker_state(worker: Any, history: list[dict[str, float]]) -> dict[str, Any]
 
 
 def load_worker(worker: Any, path: str | Path) -> list[dict[str, float]]:
-    """Restore the share saved by :func:`save_worker`; returns the metric history."""
-    return load_worker_state(worker, torch.load(path, map_location="cpu", weights_only=False),
-                             str(path))
+    """Restore the share in the checkpoint file ``path`` (a role saved ``same_as`` another
+    rank is read from that rank's file beside it); returns the metric history."""
+    path = Path(path)
+    ck = torch.load(path, map_location="cpu", weights_only=False)
+    return load_worker_state(worker, _with_replicas(
+        ck, lambda q: torch.load(path.with_name(f"rank{q}.pt"), map_location="cpu",
+                                 weights_only=False)), str(path))
 
 
 def load_worker_state(worker: Any, ck: dict[str, Any], where: str = "checkpoint"
@@ -102,36 +111,160 @@ def _distributed(worker: Any) -> bool:
     return worker.world > 1 and dist.is_available() and dist.is_initialized()
 
 
+CHUNK_BYTES = 16 << 20
+"""Bytes per message when a share travels: what rank 0 holds of another rank's share."""
+
+
+class _SendStream:
+    """A write-only file for :func:`torch.save` whose bytes go to rank ``dst`` in chunks of
+    at most :data:`CHUNK_BYTES` (each after its length; a length of 0 ends the file).
+    ``torch.save`` copies one storage at a time to the CPU and writes it here, so neither
+    side ever holds a pickled copy of the whole share."""
+
+    def __init__(self, dst: int) -> None:
+        self.dst = dst
+        self.buf = bytearray(CHUNK_BYTES)
+        self.view = torch.frombuffer(self.buf, dtype=torch.uint8)
+        self.used = 0
+
+    def write(self, data: Any) -> int:
+        mv = memoryview(data).cast("B")
+        n, at = len(mv), 0
+        while at < n:
+            take = min(n - at, CHUNK_BYTES - self.used)
+            self.buf[self.used:self.used + take] = mv[at:at + take]
+            self.used += take
+            at += take
+            if self.used == CHUNK_BYTES:
+                self._send()
+        return n
+
+    def flush(self) -> None:
+        pass
+
+    def _send(self) -> None:
+        import torch.distributed as dist
+
+        dist.send(torch.tensor([self.used], dtype=torch.int64), dst=self.dst)
+        if self.used:
+            dist.send(self.view[:self.used], dst=self.dst)
+        self.used = 0
+
+    def close(self) -> None:
+        if self.used:
+            self._send()
+        self._send()   # length 0: the end
+
+
+def _recv_stream(src: int, write: Any) -> None:
+    """Receive what a :class:`_SendStream` of rank ``src`` sends, chunk by chunk, into
+    ``write(memoryview)``."""
+    import torch.distributed as dist
+
+    head = torch.zeros(1, dtype=torch.int64)
+    buf = torch.empty(CHUNK_BYTES, dtype=torch.uint8)
+    while True:
+        dist.recv(head, src=src)
+        n = int(head[0])
+        if n == 0:
+            return
+        dist.recv(buf[:n], src=src)
+        write(memoryview(buf[:n].numpy()))
+
+
+def _send_file(path: Path, dst: int) -> None:
+    """Stream the bytes of ``path`` to rank ``dst`` (read with :func:`_recv_share`)."""
+    stream = _SendStream(dst)
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK_BYTES):
+            stream.write(chunk)
+    stream.close()
+
+
+def _recv_share(src: int) -> dict[str, Any]:
+    """A share streamed by rank ``src``, loaded on the CPU."""
+    import io
+
+    got = io.BytesIO()
+    _recv_stream(src, got.write)
+    got.seek(0)
+    return torch.load(got, map_location="cpu", weights_only=False)
+
+
+def shard_keys(worker: Any) -> dict[str, tuple[Any, ...]]:
+    """What piece of each role it trains this rank holds: ranks with equal keys for a role
+    hold equal weights and optimizer state (their gradients are summed before every step),
+    so a checkpoint saves one copy of them. Whole data-parallel copies are one piece, so is
+    each stage of a fused pipeline in every replica; DTensor shards (tensor parallel,
+    ZeRO-3) count as each rank's own (their device mesh is the rank's own)."""
+    fused = getattr(worker, "fused", None)
+    if fused is not None:
+        return {role: ("stage", st.stage, st.num_stages) for role, st in fused.stages.items()}
+    placement = getattr(worker, "placement", None)
+    keys: dict[str, tuple[Any, ...]] = {}
+    for role in worker.training_modules():
+        sharded = placement is None or worker._sharded(role)
+        keys[role] = ("own", worker.rank) if sharded else ("whole",)
+    return keys
+
+
+def _same_as(keys: list[dict[str, tuple[Any, ...]]]) -> dict[int, dict[str, int]]:
+    """rank -> {role: the lowest rank holding the same piece}, for the roles a rank does not
+    save itself."""
+    first: dict[tuple[str, tuple[Any, ...]], int] = {}
+    out: dict[int, dict[str, int]] = {}
+    for rank, mine in enumerate(keys):
+        for role, key in sorted(mine.items()):
+            q = first.setdefault((role, key), rank)
+            if q != rank:
+                out.setdefault(rank, {})[role] = q
+    return out
+
+
 def save_checkpoint(worker: Any, out_dir: str | Path, iteration: int,
                     history: list[dict[str, float]], *, keep: int = 0) -> Path | None:
     """Every rank calls this at the same iteration boundary (it is a collective when
     distributed). Returns the checkpoint folder on rank 0, None elsewhere (and on an orphaned
-    rank: nothing written). ``keep`` > 0 prunes to the newest ``keep`` checkpoints."""
+    rank: nothing written). ``keep`` > 0 prunes to the newest ``keep`` checkpoints.
+
+    Replicas save one copy (:func:`shard_keys`): a rank whose piece of a role a lower rank
+    also holds saves ``same_as[role]`` (that rank) instead of its weights and optimizer
+    state. The other ranks' shares reach rank 0 as :func:`torch.save`'s bytes, streamed in
+    :data:`CHUNK_BYTES` chunks straight into their files."""
     import torch.distributed as dist
 
     from ..launch import orphaned
 
     if orphaned():
         os._exit(1)
+    same_as: dict[int, dict[str, int]] = {}
+    if _distributed(worker):
+        keys: list[Any] = [None] * worker.world
+        dist.all_gather_object(keys, shard_keys(worker))
+        same_as = _same_as(keys)
     state = worker_state(worker, history)
+    mine = same_as.get(worker.rank, {})
+    if mine:
+        for part in ("models", "optimizers"):
+            state[part] = {r: v for r, v in state[part].items() if r not in mine}
+        state["same_as"] = mine
     if worker.rank != 0:
-        dist.send_object_list([state], dst=0)
+        stream = _SendStream(0)
+        torch.save(state, stream)
+        stream.close()
         return None
     final = checkpoint_dir(out_dir, iteration)
     partial = final.with_name(final.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
-    sizes = {}
-    for r in range(worker.world):
-        if r:
-            got: list[Any] = [None]
-            dist.recv_object_list(got, src=r)
-            state = got[0]
+    sizes = {"rank0.pt": _write_atomic(partial / "rank0.pt", lambda f, st=state: torch.save(st, f))}
+    del state
+    for r in range(1, worker.world):
         sizes[f"rank{r}.pt"] = _write_atomic(partial / f"rank{r}.pt",
-                                             lambda f, st=state: torch.save(st, f))
-        del state
+                                             lambda f, r=r: _recv_stream(r, f.write))
     if orphaned():
         os._exit(1)
-    marker = {"iteration": iteration, "world_size": worker.world, "files": sizes}
+    marker = {"iteration": iteration, "world_size": worker.world, "files": sizes,
+              "same_as": {str(r): v for r, v in same_as.items()}}
     _write_atomic(partial / MARKER, lambda f: f.write(json.dumps(marker).encode()))
     if final.exists():   # an interrupted earlier run's folder of the same name
         shutil.rmtree(final)
@@ -141,21 +274,34 @@ def save_checkpoint(worker: Any, out_dir: str | Path, iteration: int,
     return final
 
 
+def _with_replicas(ck: dict[str, Any], get: Any) -> dict[str, Any]:
+    """``ck`` with the roles it saved as ``same_as`` filled in from ``get(rank)`` (that
+    rank's share), in ascending rank order."""
+    same = ck.pop("same_as", None) or {}
+    for q in sorted(set(same.values())):
+        other = get(q)
+        for role in (r for r, src in same.items() if src == q):
+            ck["models"][role] = other["models"][role]
+            ck["optimizers"][role] = other["optimizers"][role]
+        del other
+    return ck
+
+
 def load_checkpoint(worker: Any, out_dir: str | Path, iteration: int) -> list[dict[str, float]]:
     """Restore every rank's share of the checkpoint of ``iteration`` (a collective when
-    distributed: rank 0 reads the files and sends each rank its own); returns the metric
-    history."""
-    import torch.distributed as dist
-
+    distributed: rank 0 streams each rank its file, and the file of the replica that saved
+    a role for it); returns the metric history."""
     folder = checkpoint_dir(out_dir, iteration)
     if worker.rank != 0:
-        got: list[Any] = [None]
-        dist.recv_object_list(got, src=0)
-        return load_worker_state(worker, got[0], f"{folder}/rank{worker.rank}.pt")
-    for r in range(1, worker.world if _distributed(worker) else 1):
-        share = torch.load(folder / f"rank{r}.pt", map_location="cpu", weights_only=False)
-        dist.send_object_list([share], dst=r)
-        del share
+        ck = _with_replicas(_recv_share(0), lambda q: _recv_share(0))
+        return load_worker_state(worker, ck, f"{folder}/rank{worker.rank}.pt")
+    if _distributed(worker):
+        marker = json.loads((folder / MARKER).read_text())
+        same_as = marker.get("same_as", {})
+        for r in range(1, worker.world):
+            _send_file(folder / f"rank{r}.pt", r)
+            for q in sorted(set(same_as.get(str(r), {}).values())):
+                _send_file(folder / f"rank{q}.pt", r)
     return load_worker(worker, folder / "rank0.pt")
 
 

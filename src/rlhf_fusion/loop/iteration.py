@@ -486,7 +486,8 @@ class PPOWorker:
                                      report_every=16)
                 out = run_rollout(backend, self.inference, specs, rcfg,
                                   bs_max=self.cfg.generation.bs_max, group=self._group(gen))
-                out_box[0] = (out.results, out.experiences, out.stats)
+                moved = len(out.assignment.moved_ids) if out.assignment is not None else 0
+                out_box[0] = (out.results, out.experiences, {**out.stats, "migrated": moved})
             if stream is not None:
                 stream.generation_done()
         scored = self._consume(stream, len(gen)) if stream is not None else None
@@ -734,6 +735,7 @@ class PPOWorker:
             "time/iteration": t4 - t0,
             "samples_per_s": len(exps) / (t4 - t0),
             "fusion/rt": float(stats.get("rt") or 0),
+            "fusion/migrated": float(stats.get("migrated", 0)),   # samples moved (TRL's name)
             "episode": float((it + 1) * len(exps)),
             **realloc,
             **offload,

@@ -33,7 +33,8 @@ from .config import LoopConfigError, RLHFConfig
 ROW_KEYS = (("objective/scores", "reward", "{:.3f}"), ("objective/kl", "kl", "{:.3f}"),
             ("loss/policy_avg", "pg", "{:+.3f}"), ("loss/value_avg", "vf", "{:.3f}"),
             ("response_length/p50", "len50", "{:.0f}"), ("response_length/p99", "len99", "{:.0f}"),
-            ("fusion/rt", "R_t", "{:.0f}"), ("samples_per_s", "samples/s", "{:.1f}"))
+            ("fusion/rt", "R_t", "{:.0f}"), ("fusion/migrated", "moved", "{:.0f}"),
+            ("samples_per_s", "samples/s", "{:.1f}"))
 
 
 def load_prompts(path: str | Path) -> list[str]:
@@ -158,6 +159,7 @@ def _train_joined(group: Any, cfg: RLHFConfig, prompts: Sequence[str],
 
     from ..launch import join_group
 
+    _check_restartable(group)
     if group.world_size != cfg.world_size:
         var = "WORLD_SIZE" if group.source == "torchrun" else "SLURM_NTASKS"
         how = (f"torchrun --nnodes N --nproc-per-node M with N x M = {cfg.world_size}"
@@ -185,6 +187,8 @@ def _train_joined(group: Any, cfg: RLHFConfig, prompts: Sequence[str],
                 raise LoopConfigError(str(got))
             raise RuntimeError(f"rank 0 failed preparing the run: {type(got).__name__}: {got}")
         cfg, prompt_ids, start, plan = got
+        if resume and out_dir is not None:
+            _check_resume_agrees(out_dir)
         if plan is not None and not group.lead:
             # rank 0's folder may be on another node: this rank reads its own copy
             plan_copy = Path(tempfile.mkdtemp(prefix="rlhf-fusion-plan-"))
@@ -207,6 +211,51 @@ def _train_joined(group: Any, cfg: RLHFConfig, prompts: Sequence[str],
     out["states"] = [out["state"]]
     out["rank"] = group.rank
     return out
+
+
+def _check_restartable(group: Any) -> None:
+    """Under ``torchrun --max-restarts N`` the ranks must not join through torchrun's own
+    store: since torch 2.5 it is shared with them and outlives an attempt, so a restart's
+    ranks read the dead ones' addresses and fail to connect (pytorch/pytorch#135712). Said
+    at the start, not after the first failure."""
+    env = os.environ
+    if (group.source != "torchrun" or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+            or env.get("TORCHELASTIC_MAX_RESTARTS", "0") in ("", "0")):
+        return
+    raise LoopConfigError(
+        f"torchrun --max-restarts {env['TORCHELASTIC_MAX_RESTARTS']}: torchrun shares its "
+        "rendezvous store with the ranks, and a restart would hand them the previous "
+        "attempt's addresses (pytorch/pytorch#135712): set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "
+        "in torchrun's environment and use its c10d rendezvous (--standalone or --rdzv-backend "
+        "c10d) (docs/loop.md, Restarts)")
+
+
+def _check_resume_agrees(out_dir: str | Path) -> None:
+    """Resuming a joined run: no rank may see a newer checkpoint in its ``out_dir`` than
+    rank 0 resumes from. Rank 0 alone writes checkpoints, into its node's ``--out``; after an
+    elastic restart another node may be rank 0, and unless ``--out`` is shared it would start
+    the run over while the checkpoints sit on the old node. Collective; every rank raises."""
+    import socket
+
+    import torch.distributed as dist
+
+    from .checkpoint import complete_checkpoints
+
+    done = complete_checkpoints(out_dir)
+    seen: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(seen, (socket.gethostname(), done[-1][0] if done else None))
+    host0, it0 = seen[0]
+    newer = [(r, h, it) for r, (h, it) in enumerate(seen)
+             if it is not None and (it0 is None or it > it0)]
+    if newer:
+        r, host, it = newer[0]
+        mine = f"iteration {it0}" if it0 is not None else "none"
+        raise LoopConfigError(
+            f"--resume: rank {r} (on {host}) finds a checkpoint of iteration {it} in its "
+            f"--out {out_dir}, rank 0 (on {host0}) {mine}: rank 0 writes the checkpoints "
+            "into its own node's --out, and after a restart another node may be rank 0. Give "
+            "--out a folder every node shares (or copy the newest checkpoint to rank 0's "
+            "node) and start again; rank 0 would otherwise start the run over")
 
 
 def _predicted_speedup(worker: Any) -> float | None:
@@ -281,7 +330,11 @@ def prepare_out_dir(out_dir: str | Path | None, world: int, *, resume: bool,
         raise LoopConfigError("--resume and --overwrite: choose one (continue the run in --out, "
                               "or start over)")
     if resume:
-        return resume_point(out, world)
+        start = resume_point(out, world)
+        if start is None:
+            print(f"resume: no complete checkpoint in {out}; starting the run at iteration 0",
+                  file=sys.stderr)
+        return start
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise LoopConfigError(

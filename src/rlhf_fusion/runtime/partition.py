@@ -15,6 +15,8 @@ so stage outputs chained together equal the full model's output bit for bit.
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -259,7 +261,7 @@ class PipelineStage:
             "config": self.base.config,
             "inputs_embeds": hidden,
             "attention_mask": attention_mask,
-            "past_key_values": None,
+            _mask_cache_arg(): None,
             "position_ids": position_ids,
         }
 
@@ -285,8 +287,7 @@ class PipelineStage:
                 attention_mask=mask,
                 position_embeddings=position_embeddings,
                 position_ids=pos,
-                past_key_values=None,
-                use_cache=False,
+                use_cache=False,   # no cache argument: its default (None) under either name
             )
         return hidden
 
@@ -307,6 +308,16 @@ class PipelineStage:
             hidden = base.h[i](hidden, None, mask, None, encoder_attention_mask=None,
                                use_cache=False, position_ids=pos)
         return hidden
+
+
+@functools.cache
+def _mask_cache_arg() -> str:
+    """The name of the mask builders' (required) cache argument: ``cache`` since
+    transformers 5.2x, ``past_key_values`` before (the old name warns, and goes in 5.40)."""
+    from transformers.masking_utils import create_causal_mask
+
+    return "cache" if "cache" in inspect.signature(create_causal_mask).parameters \
+        else "past_key_values"
 
 
 def partition_(
