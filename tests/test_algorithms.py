@@ -266,3 +266,135 @@ def test_kl_penalty_matches_verl(name):
     (want * w).sum().backward()
     (got * w).sum().backward()
     close(b.grad, a.grad, f"{name} gradient")
+
+
+# --------------------------------------------------------------------------------------------
+# TRL's own trainer methods, on real trainers
+# --------------------------------------------------------------------------------------------
+
+G = 4  # num_generations
+PROMPTS = ["the cat sings", "hello there", "what is it?"]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    pytest.importorskip("trl")
+    from rlhf_fusion.testing.trl import tiny_model_dir
+
+    return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-algos"), seed=0)
+
+
+def trl_trainer(algo: str, model_dir: str, tmp_path, **overrides):
+    trl = pytest.importorskip("trl")
+    from rlhf_fusion.testing.trl import tiny_prompt_dataset, tiny_tokenizer, vowel_reward
+
+    cls, cfg_cls = ((trl.GRPOTrainer, trl.GRPOConfig) if algo == "grpo"
+                    else (trl.RLOOTrainer, trl.RLOOConfig))
+    kw = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=G,
+              num_generations=G, max_completion_length=8, max_steps=1, bf16=False,
+              use_cpu=True, report_to=[], seed=0, save_strategy="no", disable_tqdm=True,
+              beta=0.0)
+    kw.update(overrides)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = cls(model=model_dir, reward_funcs=[vowel_reward, vowel_reward],
+                      args=cfg_cls(**kw), train_dataset=tiny_prompt_dataset(None, 8),
+                      processing_class=tiny_tokenizer())
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer.train otherwise
+    return trainer
+
+
+def fixed_rewards(seed: int) -> torch.Tensor:
+    """``[B, 2]`` float64 rewards of two reward functions; the second group's are tied."""
+    gen = torch.Generator().manual_seed(seed)
+    r = torch.randn(len(PROMPTS) * G, 2, generator=gen, dtype=torch.float64)
+    r[G: 2 * G] = torch.tensor([0.5, -1.0], dtype=torch.float64)
+    return r
+
+
+def trl_advantages(trainer, rewards: torch.Tensor, monkeypatch) -> torch.Tensor:
+    """``[B]`` advantages from the trainer's own ``_generate_and_score_completions`` on fresh
+    completions, with ``_calculate_rewards`` returning ``rewards``."""
+    monkeypatch.setattr(trainer, "_calculate_rewards", lambda *a, **k: rewards.clone())
+    out = trainer._generate_and_score_completions([{"prompt": p} for p in PROMPTS for _ in range(G)])
+    assert out["advantages"].dtype == torch.float64  # the comparison runs in float64
+    return out["advantages"]
+
+
+@pytest.mark.parametrize("scale_rewards", ["group", "batch", "none"])
+def test_grpo_advantages_match_trl(scale_rewards, tiny_dir, tmp_path, monkeypatch):
+    trainer = trl_trainer("grpo", tiny_dir, tmp_path, scale_rewards=scale_rewards,
+                          reward_weights=[1.0, 0.5])
+    rewards = fixed_rewards(0)
+    want = trl_advantages(trainer, rewards, monkeypatch)
+    scores = rewards @ torch.tensor([1.0, 0.5], dtype=torch.float64)
+    index = torch.arange(scores.numel()) // G
+    got, _ = grpo_advantages(scores, index, torch.ones(scores.numel(), 1),
+                             scale_rewards=scale_rewards, epsilon=1e-4)
+    close(got[:, 0], want, f"grpo scale_rewards={scale_rewards}")
+    assert want.abs().max() > 0.1
+
+
+def test_rloo_advantages_match_trl(tiny_dir, tmp_path, monkeypatch):
+    trainer = trl_trainer("rloo", tiny_dir, tmp_path, normalize_advantages=False)
+    rewards = fixed_rewards(1)
+    want = trl_advantages(trainer, rewards, monkeypatch)
+    scores = rewards.sum(-1)
+    # ours takes any group order: shuffle, then put back
+    perm = torch.randperm(scores.numel(), generator=torch.Generator().manual_seed(0))
+    index = torch.arange(scores.numel()) // G
+    got_perm, _ = rloo_advantages(scores[perm], index[perm], torch.ones(scores.numel(), 1))
+    got = torch.empty_like(scores)
+    got[perm] = got_perm[:, 0]
+    close(got, want, "rloo")
+    assert want.abs().max() > 0.1
+
+
+@pytest.mark.parametrize("correction", [True, False])
+@pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
+def test_grpo_loss_matches_trl(loss_type, correction, tiny_dir, tmp_path, monkeypatch):
+    """TRL's ``_compute_loss`` with ``beta`` 0.04 (its k3 KL term, with and without
+    ``use_bias_correction_kl``), ``epsilon`` 0.2 and ``epsilon_high`` 0.28, against
+    :func:`clipped_policy_loss` with ``loss_agg_mode=TRL_LOSS_TYPES[loss_type]``: value and
+    gradient."""
+    max_len = 8
+    trainer = trl_trainer("grpo", tiny_dir, tmp_path, loss_type=loss_type, beta=0.04,
+                          epsilon=0.2, epsilon_high=0.28, max_completion_length=max_len,
+                          use_bias_correction_kl=correction)
+    gen = torch.Generator().manual_seed(7)
+    b, r = len(PROMPTS) * G, 6  # r < max_completion_length: dr_grpo's horizon is the config's
+    lens = torch.randint(1, r + 1, (b,), generator=gen)
+    mask = (torch.arange(r)[None, :] < lens[:, None]).long()
+    lp = -torch.rand(b, r, generator=gen, dtype=torch.float64) * 3
+    old = lp + torch.randn(b, r, generator=gen, dtype=torch.float64) * 0.3
+    ref = lp + torch.randn(b, r, generator=gen, dtype=torch.float64) * 0.5
+    adv = torch.randn(b, generator=gen, dtype=torch.float64)
+    num_items = mask.sum() * 3 // 2  # a generation batch larger than this micro-batch
+    inputs = {
+        "prompt_ids": torch.ones(b, 2, dtype=torch.long),
+        "prompt_mask": torch.ones(b, 2, dtype=torch.long),
+        "completion_ids": torch.full((b, r), 3, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": adv,
+        "old_per_token_logps": old,
+        "ref_per_token_logps": ref,
+        "num_items_in_batch": num_items,
+    }
+    leaf_trl = lp.clone().requires_grad_(True)
+    monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies",
+                        lambda *a, **k: (leaf_trl, torch.zeros_like(lp), None))
+    want = trainer._compute_loss(trainer.model, inputs)
+    want.backward()
+
+    leaf = lp.clone().requires_grad_(True)
+    got, stats = clipped_policy_loss(
+        leaf, old, adv[:, None].expand(b, r), mask, clip_ratio_low=0.2, clip_ratio_high=0.28,
+        loss_agg_mode=TRL_LOSS_TYPES[loss_type], ref_logprobs=ref, kl_loss_coef=0.04,
+        kl_loss_type="k3", kl_ratio_correction=correction, horizon=max_len,
+        num_tokens=num_items if loss_type == "dapo" else None)
+    got.backward()
+    close(got.detach(), want.detach(), f"loss {loss_type}")
+    close(leaf.grad, leaf_trl.grad, f"gradient {loss_type}")
+    assert 0 < float(stats["clip_frac"]) < 1  # both clip bounds are in play
+    assert leaf.grad.abs().max() > 1e-3

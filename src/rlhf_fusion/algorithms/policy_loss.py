@@ -151,6 +151,7 @@ def clipped_policy_loss(
     ref_logprobs: Tensor | None = None,
     kl_loss_coef: float = 0.0,
     kl_loss_type: str = "low_var_kl",
+    kl_ratio_correction: bool = False,
     num_tokens: Tensor | float | None = None,
     num_seqs: Tensor | float | None = None,
     horizon: float | None = None,
@@ -164,7 +165,9 @@ def clipped_policy_loss(
     clip, its default 3.0; TRL has none: ``None``) the loss of a token with ``A < 0`` is at most
     ``-A * clip_ratio_c``. With ``kl_loss_coef != 0`` (verl's ``use_kl_loss``, TRL GRPO's
     ``beta``), ``kl_loss_coef * kl_penalty(logprobs, ref_logprobs, kl_loss_type)`` is added per
-    token. The sum is aggregated by :func:`agg_loss` (``loss_agg_mode``, ``num_tokens``,
+    token; with ``kl_ratio_correction`` (TRL's ``use_bias_correction_kl``, on by default in
+    TRL 1.12 to 1.16; verl has none) that KL is multiplied by the differentiable ratio ``r``
+    first (DeepSeek-V3.2's unbiased reverse-KL gradient). The sum is aggregated by :func:`agg_loss` (``loss_agg_mode``, ``num_tokens``,
     ``num_seqs``, ``horizon``); aggregation is linear, so this equals verl's policy loss plus
     ``kl_loss_coef`` times its separately aggregated KL loss.
 
@@ -195,7 +198,8 @@ def clipped_policy_loss(
             raise ValueError("clipped_policy_loss: kl_loss_coef != 0 (use_kl_loss) needs "
                              "ref_logprobs: pass the Ref model's logprobs of the same tokens")
         kl = kl_penalty(logprobs, ref_logprobs, kl_loss_type)
-        per_token = per_token + kl_loss_coef * kl
+        weighted = kl * ratio if kl_ratio_correction else kl
+        per_token = per_token + kl_loss_coef * weighted
         with torch.no_grad():
             stats["kl"] = masked_mean(kl, mask)
     loss = agg_loss(per_token, mask, loss_agg_mode, num_tokens=num_tokens, num_seqs=num_seqs,
