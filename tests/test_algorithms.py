@@ -25,7 +25,6 @@ from __future__ import annotations
 import importlib
 import warnings
 
-import numpy as np
 import pytest
 import torch
 
