@@ -350,6 +350,71 @@ def test_rloo_advantages_match_trl(tiny_dir, tmp_path, monkeypatch):
     assert want.abs().max() > 0.1
 
 
+def test_rloo_kl_in_reward_matches_trl(tiny_dir, tmp_path, monkeypatch):
+    """``RLOOTrainer`` with ``beta``: the sequence's summed k1 comes off the reward before the
+    leave-one-out baseline. The policy's and the Ref's per-token logprobs are fixed by replacing
+    ``_get_per_token_logps_and_entropies`` on the instance."""
+    from rlhf_fusion.algorithms import sequence_kl_penalized_scores
+
+    beta = 0.3
+    trainer = trl_trainer("rloo", tiny_dir, tmp_path, normalize_advantages=False, beta=beta)
+    seen: dict[str, torch.Tensor] = {}
+
+    def fixed_logps(model, input_ids, attention_mask, logits_to_keep, *a, **k):
+        who = "ref" if model is trainer.ref_model else "policy"
+        gen = torch.Generator().manual_seed(11 if who == "ref" else 12)
+        lp = -torch.rand(input_ids.size(0), logits_to_keep, generator=gen, dtype=torch.float64)
+        seen[who] = lp
+        return lp, None, None
+
+    monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies", fixed_logps)
+    rewards = fixed_rewards(2)
+    monkeypatch.setattr(trainer, "_calculate_rewards", lambda *a, **k: rewards.clone())
+    out = trainer._generate_and_score_completions(
+        [{"prompt": p} for p in PROMPTS for _ in range(G)])
+    mask = out["completion_mask"]
+    assert set(seen) == {"ref", "policy"} and mask.sum() > mask.size(0)
+    scores = sequence_kl_penalized_scores(rewards.sum(-1), seen["policy"], seen["ref"], mask, beta)
+    got, _ = rloo_advantages(scores, torch.arange(scores.numel()) // G, torch.ones(len(scores), 1))
+    close(got[:, 0], out["advantages"], "rloo with the KL in the reward")
+    # the KL moved the advantages: without it they differ
+    plain, _ = rloo_advantages(rewards.sum(-1), torch.arange(scores.numel()) // G,
+                               torch.ones(len(scores), 1))
+    assert (plain - got).abs().max() > 1e-3
+
+
+def test_rloo_sequence_loss_matches_trl(tiny_dir, tmp_path, monkeypatch):
+    """``RLOOTrainer._compute_loss`` clips the *sequence* ratio ``exp(sum lp - sum old lp)`` and
+    averages over sequences: :func:`clipped_policy_loss` on ``[B, 1]`` sequence sums with
+    ``token-mean`` is the same loss (value and gradient)."""
+    trainer = trl_trainer("rloo", tiny_dir, tmp_path, epsilon=0.2, epsilon_high=0.28)
+    gen = torch.Generator().manual_seed(9)
+    b, r = len(PROMPTS) * G, 5
+    mask = (torch.arange(r)[None, :] < torch.randint(1, r + 1, (b,), generator=gen)[:, None])
+    mask = mask.long()
+    lp = -torch.rand(b, r, generator=gen, dtype=torch.float64)
+    old_seq = (lp * mask).sum(1) + torch.randn(b, generator=gen, dtype=torch.float64) * 0.3
+    adv = torch.randn(b, generator=gen, dtype=torch.float64)
+    inputs = {"prompt_ids": torch.ones(b, 2, dtype=torch.long),
+              "prompt_mask": torch.ones(b, 2, dtype=torch.long),
+              "completion_ids": torch.full((b, r), 3, dtype=torch.long),
+              "completion_mask": mask, "old_logps": old_seq, "advantages": adv}
+    leaf_trl = lp.clone().requires_grad_(True)
+    monkeypatch.setattr(trainer, "_get_per_token_logps_and_entropies",
+                        lambda *a, **k: (leaf_trl, torch.zeros_like(lp), None))
+    want = trainer._compute_loss(trainer.model, inputs)
+    want.backward()
+    leaf = lp.clone().requires_grad_(True)
+    seq = (leaf * mask).sum(1, keepdim=True)
+    ones = torch.ones(b, 1)
+    got, stats = clipped_policy_loss(seq, old_seq[:, None], adv[:, None], ones,
+                                     clip_ratio_low=0.2, clip_ratio_high=0.28)
+    got.backward()
+    close(got.detach(), want.detach(), "rloo sequence loss")
+    close(leaf.grad, leaf_trl.grad, "rloo sequence loss gradient")
+    assert 0 < float(stats["clip_frac"]) < 1
+
+
 @pytest.mark.parametrize("correction", [True, False])
 @pytest.mark.parametrize("loss_type", ["grpo", "bnpo", "dr_grpo", "dapo"])
 def test_grpo_loss_matches_trl(loss_type, correction, tiny_dir, tmp_path, monkeypatch):
