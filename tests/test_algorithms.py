@@ -13,8 +13,11 @@ What is compared, on the same inputs, in float64, within 1e-6 (``ATOL``):
 * TRL's own trainer methods, called on real trainers built on a tiny local model:
   ``GRPOTrainer._generate_and_score_completions`` for the GRPO advantages
   (``scale_rewards`` group/batch/none) and ``RLOOTrainer._generate_and_score_completions`` for
-  the RLOO advantages, with the rewards fixed by replacing ``_calculate_rewards`` on the
-  instance; ``GRPOTrainer._compute_loss`` for ``loss_type`` grpo/bnpo/dr_grpo/dapo with
+  the RLOO advantages (also with ``beta``: the KL in the reward, the policy's and the Ref's
+  per-token logprobs fixed by replacing ``_get_per_token_logps_and_entropies``), with the
+  rewards fixed by replacing ``_calculate_rewards`` on the instance;
+  ``RLOOTrainer._compute_loss`` (its sequence-level ratio) against :func:`clipped_policy_loss`
+  on sequence sums; ``GRPOTrainer._compute_loss`` for ``loss_type`` grpo/bnpo/dr_grpo/dapo with
   ``beta`` (k3 KL loss) and clip-higher, with the policy's per-token logprobs fixed by
   replacing ``_get_per_token_logps_and_entropies`` on the instance: the loss value and its
   gradient with respect to those logprobs.
