@@ -293,7 +293,13 @@ def sharded_copy_worker(rank: int, world: int, model_dir: str, kind: str) -> dic
     ids = torch.tensor([[2, 5, 9, 14, 3, 7, 11, 4]] * 2)
     if kind == "zero3":
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        import sys
+
         import deepspeed
+
+        # Plain gloo collectives: DeepSpeed's CPU shared-memory op is a C++ JIT build (minutes).
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
 
         engine, *_ = deepspeed.initialize(
             model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
