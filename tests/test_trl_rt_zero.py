@@ -97,12 +97,13 @@ def test_two_process_grpo_with_rt_auto_falling_to_zero_and_back(model_dir, tmp_p
 
 
 # -- the generation copy of a sharded policy ----------------------------------------------------
-@pytest.mark.parametrize("kind", ["zero3", "fsdp2"])
+@pytest.mark.parametrize("kind", [pytest.param("zero3", marks=pytest.mark.slow), "fsdp2"])
 def test_generation_copy_of_a_sharded_policy_is_whole_and_follows_the_step(model_dir, kind):
     """ZeRO-3 (DeepSpeed's CPU accelerator) and FSDP2 (``fully_shard`` over gloo), 2 ranks:
     each rank holds part of the weights; the copy built from the gathered weights is a plain
     model whose logits equal the unsharded model's bit for bit, and after one optimizer step
-    the refreshed copy equals the sharded model's own forward."""
+    the refreshed copy equals the sharded model's own forward, bit for bit (both measured 0.0).
+    ZeRO-3 is ``slow`` (about a minute: importing DeepSpeed and its engine set-up)."""
     if kind == "zero3":
         pytest.importorskip("deepspeed")
     from rlhf_fusion.launch import run_ranks
@@ -116,4 +117,4 @@ def test_generation_copy_of_a_sharded_policy_is_whole_and_follows_the_step(model
         assert v["local_numel"] < 0.75 * v["full_numel"], v  # this rank holds about half
         assert v["before"] == 0.0, v
         assert v["moved"] > 0.0, v   # the step changed the policy, and the copy followed
-        assert v["after"] <= 1e-5, v
+        assert v["after"] == 0.0, v
