@@ -81,7 +81,7 @@ def main() -> None:
     trainer.train()
     # The trained weights, gathered whole under ZeRO-3 / FSDP (a collective): a run with
     # --fusion off must print the same digest as --fusion stock.
-    state = trainer.accelerator.get_state_dict(trainer.model)
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
     if trainer.accelerator.is_main_process:
         digest = hashlib.sha256()
