@@ -81,3 +81,21 @@ def test_grpo_launch_off_equals_stock(config, model_dir, tmp_path):
     off = launch(config, model_dir, tmp_path / "off", "--fusion", "off", steps=3)
     stock = launch(config, model_dir, tmp_path / "stock", "--fusion", "stock", steps=3)
     assert off == stock
+
+
+def test_ppo_launch_runs_under_ddp(model_dir, tmp_path):
+    """``examples/trl_ppo.py`` (FusedPPOTrainer, every plugin, ``rt="auto"``) under
+    ``ddp_cpu.yaml``: 4 iterations over 2 processes. DeepSpeed and PEFT are still refused by
+    FusedPPOTrainer (docs/trl.md)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+         str(CONFIGS / "ddp_cpu.yaml"), "--main_process_port", str(port),
+         str(ROOT / "examples" / "trl_ppo.py"), "--model", model_dir, "--episodes", "32",
+         "--batch-size", "4", "--response-length", "16", "--output-dir", str(tmp_path / "ppo")],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "done: objective/scores" in proc.stdout
+    assert "'episode': 32" in proc.stdout or "'episode': '32'" in proc.stdout, proc.stdout[-2000:]
