@@ -10,11 +10,13 @@ your own reward functions (or reward model ids), as with TRL.
 from __future__ import annotations
 
 import argparse
+import hashlib
 
 from datasets import Dataset
 from trl import GRPOConfig
 
 from rlhf_fusion.integrations.trl import FusedGRPOTrainer as GRPOTrainer
+from rlhf_fusion.integrations.trl import FusionConfig
 
 PROMPTS = [
     "Write a short sentence about the sea:",
@@ -47,6 +49,9 @@ def main() -> None:
     ap.add_argument("--max-completion-length", type=int, default=32)
     ap.add_argument("--beta", type=float, default=0.04)
     ap.add_argument("--cpu", action="store_true", help="train on the CPU (float32)")
+    ap.add_argument("--fusion", choices=["on", "off", "stock"], default="on",
+                    help="on: every plugin (R_t 'auto'); off: FusionConfig.off(); stock: TRL's "
+                         "own GRPOTrainer (what 'off' must equal)")
     args = ap.parse_args()
 
     dataset = Dataset.from_dict({"prompt": PROMPTS * 4})
@@ -64,11 +69,26 @@ def main() -> None:
         bf16=not args.cpu,
         use_cpu=args.cpu,
     )
-    trainer = GRPOTrainer(model=args.model, reward_funcs=reward_len, args=config,
-                          train_dataset=dataset)
+    if args.fusion == "stock":
+        from trl import GRPOTrainer as StockGRPOTrainer
+
+        trainer = StockGRPOTrainer(model=args.model, reward_funcs=reward_len, args=config,
+                                   train_dataset=dataset)
+    else:
+        fusion = FusionConfig() if args.fusion == "on" else FusionConfig.off()
+        trainer = GRPOTrainer(model=args.model, reward_funcs=reward_len, args=config,
+                              train_dataset=dataset, fusion=fusion)
     trainer.train()
+    # The trained weights, gathered whole under ZeRO-3 / FSDP (a collective): a run with
+    # --fusion off must print the same digest as --fusion stock.
+    state = trainer.accelerator.get_state_dict(trainer.model_wrapped)
     rewards = [h["reward"] for h in trainer.state.log_history if "reward" in h]
-    print(f"done: {trainer.state.global_step} steps, reward {rewards[0]:.3f} -> {rewards[-1]:.3f}")
+    if trainer.accelerator.is_main_process:
+        digest = hashlib.sha256()
+        for k in sorted(state):
+            digest.update(k.encode() + state[k].detach().float().cpu().numpy().tobytes())
+        print(f"done: {trainer.state.global_step} steps, reward {rewards[0]:.3f} -> "
+              f"{rewards[-1]:.3f}, weights sha256 {digest.hexdigest()[:16]}")
 
 
 if __name__ == "__main__":

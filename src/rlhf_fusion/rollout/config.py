@@ -15,6 +15,9 @@ class RolloutConfig:
     """How one rollout runs. ``rt`` (samples) or ``rt_fraction`` (of the batch) sets R_t.
 
     ``fused=False`` is the serial baseline (inference after every rank finished generating).
+    ``rt=0`` means no migration: the same serial rollout, the value
+    :meth:`~rlhf_fusion.rollout.rt_control.RtPlanner.rt` returns when the simulator predicts
+    no gain (so a planner's R_t can be passed through unchanged).
     ``mechanism`` is ``"kv"``, ``"tokens"`` or ``"auto"`` (the planner's rule on
     ``bandwidth_bytes_s`` against ``prefill_s_per_token``). Ranks publish their unfinished
     count every ``report_every`` decode steps; every wait is bounded by ``timeout_s``, and
@@ -37,6 +40,10 @@ class RolloutConfig:
         if self.rt is not None and self.rt_fraction is not None:
             raise RolloutConfigError("give rt or rt_fraction, not both")
         if self.rt is not None:
+            if int(self.rt) < 0:
+                raise RolloutConfigError(
+                    f"rt={self.rt}: R_t counts samples; use 0 for no migration or "
+                    "1..batch size")
             return int(self.rt)
         if self.rt_fraction is not None:
             if not 0 < self.rt_fraction <= 1:
@@ -46,6 +53,10 @@ class RolloutConfig:
             return max(1, round(self.rt_fraction * batch_size))
         raise RolloutConfigError("fused rollout needs R_t: set rt (samples) or rt_fraction "
                                  "(or run `rlhf-fusion plan-migration` to choose one)")
+
+    def migrates(self, batch_size: int) -> bool:
+        """Whether a rollout of ``batch_size`` samples migrates: fused with R_t >= 1."""
+        return self.fused and self.resolve_rt(batch_size) > 0
 
     def validate(self) -> None:
         if self.report_every < 1:
@@ -58,13 +69,14 @@ class RolloutConfig:
 
 def check_rollout(specs: Sequence[SampleSpec], config: RolloutConfig, world_size: int,
                   bs_max: int) -> int | None:
-    """Validate a rollout before any process starts; returns m (None when serial).
+    """Validate a rollout before any process starts; returns m (None when nothing migrates:
+    ``fused=False`` or R_t = 0).
 
     ``run_rollout`` runs the same checks on every rank; call this first to fail in the parent.
     """
     config.validate()
     check_specs(specs)
-    if not config.fused:
+    if not config.migrates(len(specs)):
         return None
     rt = config.resolve_rt(len(specs))
     return validate_fusion(

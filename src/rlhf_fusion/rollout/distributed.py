@@ -174,9 +174,10 @@ def run_rollout(
               group)
     ids = [s.sample_id for s in specs]
     rt = config.resolve_rt(len(specs)) if config.fused else None
+    migrates = m is not None   # R_t = 0: no migration, the serial rollout below
     kv_ok = backend.capabilities.kv_export and backend.capabilities.kv_import
     mechanism = "tokens"
-    if config.fused:
+    if migrates:
         if config.mechanism != "auto":
             mechanism = resolve_mode(config.mechanism, kv_ok)
     shard = [s for s in specs if shard_of(s.sample_id, r.world) == r.rank]
@@ -185,7 +186,7 @@ def run_rollout(
     stats: dict[str, Any] = {"rank": r.rank, "fused": config.fused, "rt": rt, "m": m}
     done: list[SampleResult] = []
     assignment: MigrationAssignment | None = None
-    if not config.fused:
+    if not migrates:
         note_stage("generation", 1)
         while backend.unfinished():
             done.extend(backend.step())

@@ -104,7 +104,7 @@ class LocalFusedRollout:
         self.m = m
         self.mechanism = resolve_mode(
             mechanism, all(b.capabilities.kv_export and b.capabilities.kv_import
-                           for b in self.backends)) if rt is not None else mechanism
+                           for b in self.backends)) if rt else mechanism
         self.report_every = report_every
         self.bs_max = bs_max if bs_max is not None else getattr(
             self.backends[0], "max_batch_size", 1 << 30)
@@ -112,12 +112,13 @@ class LocalFusedRollout:
             getattr(self.backends[0], "kv_capacity_tokens", None))
 
     def run(self, specs: Sequence[SampleSpec]) -> RolloutOutput:
-        """Serial when ``rt`` is None: generate everything, then score everything."""
+        """Serial when ``rt`` is None or 0 (no migration): generate everything, then score
+        everything."""
         check_specs(specs)
         n = len(self.backends)
         t0 = time.perf_counter()
         m = None
-        if self.rt is not None:
+        if self.rt:
             m = validate_fusion(
                 batch_size=len(specs), instances=n, rt=self.rt, bs_max=self.bs_max,
                 longest_kv_tokens=max(len(s.prompt_ids) + s.max_new_tokens for s in specs),

@@ -187,3 +187,161 @@ def grpo_rank_worker(rank: int, world: int, model_dir: str, out_dir: str,
             "ref": out["ref_per_token_logps"].tolist(),
             "num_processes": trainer.accelerator.num_processes,
             "moved": getattr(trainer, "fusion_last_rollout", {}).get("moved", [])}
+
+
+# R_t planner inputs that decide deterministically (2 instances, 16 samples): equal lengths
+# leave nothing to migrate (R_t = 0), a tail of 4 long samples makes migration pay (R_t >= 1).
+# Decode steps of 2 ms plus 0.1 ms per running sample, scoring at 0.1 ms per token.
+RT_SCRIPT_STEPS = [(b, 0.002 + 0.0001 * b) for b in (1, 2, 4, 8, 16)] * 3
+RT_SCRIPT_LENGTHS = {"flat": [12] * 16, "tail": [2] * 12 + [16] * 4}
+
+
+def script_planner(planner: Any, kind: str) -> None:
+    """Replace what ``planner`` (an RtPlanner) has observed by the scripted rollout ``kind``
+    (``"flat"`` or ``"tail"``); its hysteresis state (the current R_t) is kept."""
+    from types import SimpleNamespace
+
+    planner.dist = None
+    planner.by_batch.clear()
+    planner.scoring.clear()
+    planner.observe(RT_SCRIPT_LENGTHS[kind], SimpleNamespace(steps=RT_SCRIPT_STEPS),
+                    [(1000, 0.1)] * 4, prompt_len=10)
+
+
+def grpo_rt_script_worker(rank: int, world: int, model_dir: str, out_dir: str,
+                          script: list[str]) -> dict[str, Any]:
+    """One rank of a 2-process FusedGRPOTrainer with ``rt="auto"`` whose planner sees the
+    scripted rollouts ``script`` (one entry per generation batch; ``[]``: no migration at all,
+    ``migrate=False``). Every batch really runs through the trainer's migrating rollout at the
+    R_t the planner chose, then ``trainer.train()`` runs one optimizer step whose rollout
+    the planner, fed equal lengths, runs at R_t = 0. Returns the R_t history, each batch's
+    completions and advantages, and the train step's logged loss."""
+    import os
+    import warnings
+
+    from trl import GRPOConfig
+
+    from ..integrations.trl.fusion import FusionConfig
+    from ..integrations.trl.grpo import FusedGRPOTrainer
+    from ..integrations.trl.migration import RtChooser
+    from ..rollout.rt_control import RtPlanner
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
+    args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=16, max_steps=1, beta=0.04, bf16=False,
+                      use_cpu=True, report_to=[], seed=0, save_strategy="no",
+                      disable_tqdm=True, logging_steps=1)
+    fusion = FusionConfig(migrate=bool(script), rt="auto")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = FusedGRPOTrainer(model=model_dir, reward_funcs=[vowel_reward], args=args,
+                                   train_dataset=tiny_prompt_dataset(None, 8),
+                                   processing_class=tiny_tokenizer(), fusion=fusion)
+    trainer.model.train()
+    chooser = trainer._rt_chooser = RtChooser("auto", fusion.max_batch_size, world)
+    chooser.planner = RtPlanner(8 * world, world, bs_max=fusion.max_batch_size)
+    real_rt = chooser.rt
+    steps = script or ["-"] * 4
+    kinds = iter(steps)
+
+    history: list[int] = []
+
+    def scripted_rt(batch: int) -> int:
+        if chooser.planner.batch != batch:  # train()'s generation batch is another size
+            chooser.planner = RtPlanner(batch, world, bs_max=fusion.max_batch_size)
+        script_planner(chooser.planner, next(kinds))
+        history.append(real_rt(batch))
+        return history[-1]
+
+    chooser.rt = scripted_rt  # type: ignore[method-assign]
+    prompts = _PROMPTS[2 * rank: 2 * rank + 2]
+    batches = []
+    for _ in steps:
+        out = trainer._generate_and_score_completions(
+            [{"prompt": p} for p in prompts for _ in range(4)])
+        batches.append({"completion_ids": out["completion_ids"].tolist(),
+                        "advantages": out["advantages"].tolist(),
+                        "moved": getattr(trainer, "fusion_last_rollout", {}).get("moved", [])})
+    # Then one real optimizer step (trainer.train) whose rollout the planner, seeing equal
+    # lengths, runs at R_t = 0.
+    kinds = iter(["flat"] * 8)
+    trainer.train()
+    loss = [x["loss"] for x in trainer.state.log_history if "loss" in x]
+    return {"rt": history, "batches": batches,
+            "loss": loss, "global_step": trainer.state.global_step}
+
+
+def sharded_copy_worker(rank: int, world: int, model_dir: str, kind: str) -> dict[str, Any]:
+    """One rank: shard the model at ``model_dir`` (``kind``: ``"zero3"`` through
+    ``deepspeed.initialize`` on DeepSpeed's CPU accelerator, ``"fsdp2"`` through torch's
+    ``fully_shard``), build the generation copy from the gathered weights, take one optimizer
+    step, refresh the copy. Returns how far the copy's logits are from the unsharded model's
+    (before) and the sharded model's own forward (after the step), and what was sharded."""
+    import copy
+    import os
+
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM
+
+    from ..integrations.trl.compat import generation_copy
+    from ..integrations.trl.sharded import full_state_dict, plain_copy, sharding
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    whole = copy.deepcopy(model).eval()
+    ids = torch.tensor([[2, 5, 9, 14, 3, 7, 11, 4]] * 2)
+    if kind == "zero3":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+        import sys
+
+        import deepspeed
+
+        # Plain gloo collectives: DeepSpeed's CPU shared-memory op is a C++ JIT build (minutes).
+        sys.modules["deepspeed.comm.torch"].build_shm_op = lambda: None
+
+        engine, *_ = deepspeed.initialize(
+            model=model, optimizer=torch.optim.SGD(model.parameters(), lr=0.5),
+            config={"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3},
+                    "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True})
+        net = engine.module
+        shards = [int(p.ds_tensor.numel()) for p in net.parameters()]
+
+        def step() -> None:
+            loss = engine(input_ids=ids, labels=ids).loss
+            engine.backward(loss)
+            engine.step()
+    else:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor import DTensor
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        net = model
+        shards = [int(p.to_local().numel()) for p in net.parameters() if isinstance(p, DTensor)]
+        opt = torch.optim.SGD(net.parameters(), lr=0.5)
+
+        def step() -> None:
+            net(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+
+    full = sum(p.numel() for p in whole.parameters())
+    state = full_state_dict(net)
+    clone = generation_copy(plain_copy(net, state))
+    with torch.no_grad():
+        before = (clone(ids).logits - whole(ids).logits).abs().max().item()
+    step()
+    clone.load_state_dict(full_state_dict(net))
+    net.eval()
+    with torch.no_grad():
+        after = (clone(ids).logits - net(input_ids=ids).logits).abs().max().item()
+        moved = (clone(ids).logits - whole(ids).logits).abs().max().item()
+    dist.barrier()
+    return {"sharding": sharding(net), "local_numel": sum(shards), "full_numel": full,
+            "before": before, "after": after, "moved": moved,
+            "copy_sharded": sharding(clone), "copy_type": type(clone).__name__}

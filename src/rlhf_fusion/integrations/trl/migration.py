@@ -59,13 +59,14 @@ class RtChooser:
 
 
 def migrating_rollout(chooser: RtChooser, backend: Any, scorer: Any, specs: list[Any],
-                      fusion: Any) -> tuple[Any, int]:
-    """One :func:`run_rollout` with migration at the chooser's R_t, every decode step timed
-    and the outcome fed back to the chooser. Returns ``(RolloutOutput, R_t)``."""
+                      fusion: Any, rt: int | None = None) -> tuple[Any, int]:
+    """One :func:`run_rollout` with migration at the chooser's R_t (or ``rt``), every decode
+    step timed and the outcome fed back to the chooser. Returns ``(RolloutOutput, R_t)``;
+    R_t = 0 (the planner predicts no gain) is a rollout without migration."""
     from ...rollout.rt_control import TimedBackend
 
     timed = TimedBackend(backend)
-    rt = chooser.rt(len(specs))
+    rt = chooser.rt(len(specs)) if rt is None else rt
     out = run_rollout(timed, scorer, specs,
                       RolloutConfig(fused=True, rt=rt, mechanism=fusion.mechanism,
                                     report_every=4),
@@ -95,7 +96,10 @@ def migrated_rollout(trainer: FusedRolloutMixin, backend: ReferenceBackend,
     if chooser is None:
         chooser = t._rt_chooser = RtChooser(fusion.rt, fusion.max_batch_size,
                                             t.accelerator.num_processes)
-    out, _ = migrating_rollout(chooser, backend, scorer, specs, fusion)
+    # A sharded policy's forwards are collectives: no migration then (R_t = 0), so every
+    # process scores its own samples after generation, the same micro-batches in step.
+    out, _ = migrating_rollout(chooser, backend, scorer, specs, fusion,
+                               rt=0 if trainer._sharded() else None)
     mine = range(rank * n, (rank + 1) * n)
     t.fusion_last_rollout = {"moved": list(out.assignment.moved_ids) if out.assignment else [],
                              "seconds": out.stats.get("seconds") if out.stats else None}

@@ -38,6 +38,7 @@ from .compat import check_trl_seams, logps_options, uses_fused_lm_head
 from .fusion import FusionConfig, FusionConfigError, generation_backend
 from .packing import Packed, attention_mask_for, completion_targets, pack
 from .scoring import StreamBatch, StreamScorer, stock_module
+from .sharded import full_state_dict, plain_copy, sharding
 
 __all__ = ["REF_PAD_LOGP", "FusedRolloutMixin"]
 
@@ -176,12 +177,22 @@ class FusedRolloutMixin:
         """A copy of the policy in the backend, with this step's weights pushed into it."""
         t: Any = self
         policy = t.accelerator.unwrap_model(t.model)
+        # Under ZeRO-3 / FSDP2 the weights are gathered whole (collective, every process) and
+        # the copy is built from them; refreshed this way before every rollout.
+        state = full_state_dict(policy)
         if self._fusion_backend is None:
+            source = plain_copy(policy, state) if sharding(policy) else policy
             self._fusion_backend = generation_backend(
-                policy, self.fusion, seed=int(t.args.seed),
+                source, self.fusion, seed=int(t.args.seed),
                 instance_id=t.accelerator.process_index, device=t.accelerator.device)
-        self._fusion_backend.update_weights(policy.state_dict())
+        self._fusion_backend.update_weights(state)
         return self._fusion_backend
+
+    def _sharded(self) -> bool:
+        """Whether the policy is sharded (ZeRO-3 / FSDP2): each of its forwards is then a
+        collective, so every process must score the same number of micro-batches, in step."""
+        t: Any = self
+        return sharding(t.accelerator.unwrap_model(t.model)) is not None
 
     def _sample_specs(self, prompt_ids: Sequence[Sequence[int]], offset: int) -> list[SampleSpec]:
         t: Any = self
@@ -213,7 +224,7 @@ class FusedRolloutMixin:
             backend.submit(specs)
             done: list[SampleResult] = []
             pending: list[SampleResult] = []
-            stream = scorer is not None and self.score_while_decoding
+            stream = scorer is not None and self.score_while_decoding and not self._sharded()
             while backend.unfinished():
                 finished = backend.step()
                 done.extend(finished)

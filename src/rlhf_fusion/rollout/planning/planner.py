@@ -48,7 +48,8 @@ def validate_fusion(
         raise RolloutConfigError(
             f"R_t={rt} is outside the batch of {batch_size} samples; it is the number of "
             f"unfinished samples that triggers migration: pick 1 <= R_t <= {batch_size} "
-            f"(the planner searches {lo}..{hi}, 5%-95%)"
+            f"(the planner searches {lo}..{hi}, 5%-95%), or run without migration "
+            "(RolloutConfig(rt=0) or fused=False)"
         )
     cap = kv_capacity_tokens
     if cap is not None and longest_kv_tokens > cap:

@@ -1,0 +1,93 @@
+"""Full weights of a policy that DeepSpeed ZeRO-3 or FSDP2 shards, for the generation copy.
+
+Under ZeRO-3 every parameter holds its partition only (the rest is fetched by DeepSpeed's
+module hooks around each forward); under FSDP2 every parameter is a DTensor shard. A
+``deepcopy`` of such a model keeps the hooks (or FSDP's class swap) but not the machinery
+behind them, so the copy fails at its first forward. The generation copy is instead built
+from the model's config and loaded with the gathered full weights, as TRL's own
+``unwrap_model_for_generation`` gathers them for its ``generate``; the trainer pushes freshly
+gathered weights into it before every rollout, so it follows every optimizer step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["full_state_dict", "plain_copy", "sharding"]
+
+
+def sharding(model: Any) -> str | None:
+    """``"zero3"``, ``"fsdp2"`` or None (every parameter whole on this process)."""
+    from torch.distributed.tensor import DTensor
+
+    for p in model.parameters():
+        if hasattr(p, "ds_id"):
+            return "zero3"
+        if isinstance(p, DTensor):
+            return "fsdp2"
+    return None
+
+
+def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
+    """``model``'s state dict with whole tensors; collective (every process calls it) when
+    the model is sharded."""
+    kind = sharding(model)
+    if kind == "zero3":
+        import deepspeed
+
+        with deepspeed.zero.GatheredParameters(list(model.parameters())):
+            return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if kind == "fsdp2":
+        from torch.distributed.tensor import DTensor
+
+        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
+                for k, v in model.state_dict().items()}
+    return model.state_dict()
+
+
+@contextlib.contextmanager
+def _without_zero3_init() -> Iterator[None]:
+    """transformers builds models inside ``deepspeed.zero.Init`` (partitioned at birth) while a
+    ZeRO-3 config is registered; the generation copy must be whole, so it is unregistered
+    meanwhile."""
+    try:
+        from transformers.integrations import deepspeed as hf_ds
+    except ImportError:  # pragma: no cover - transformers is a TRL dependency
+        yield
+        return
+    ref = getattr(hf_ds, "_hf_deepspeed_config_weak_ref", None)
+    hf_ds._hf_deepspeed_config_weak_ref = None
+    try:
+        yield
+    finally:
+        hf_ds._hf_deepspeed_config_weak_ref = ref
+
+
+def _unsharded_class(model: Any) -> type:
+    """FSDP2 swaps a sharded module's class for ``FSDP<Name>(FSDPModule, <Name>)``."""
+    from torch.distributed.fsdp import FSDPModule
+
+    cls = type(model)
+    if issubclass(cls, FSDPModule):
+        cls = next(c for c in cls.__mro__ if not issubclass(c, FSDPModule))
+    return cls
+
+
+def plain_copy(model: Any, state: dict[str, torch.Tensor]) -> Any:
+    """A new, unsharded instance of ``model``'s class holding ``state`` (its full weights)."""
+    cls = _unsharded_class(model)
+    config = getattr(model, "config", None)
+    build = getattr(cls, "_from_config", None)
+    if config is None or build is None:
+        raise TypeError(
+            f"rlhf-fusion builds the generation copy of a sharded (ZeRO-3 / FSDP2) policy from "
+            f"its config, and {cls.__name__} is not a transformers PreTrainedModel; run with "
+            "ZeRO-0/1/2 or DDP, or pass fusion=FusionConfig(stream=False, migrate=False)")
+    with _without_zero3_init():
+        clone = build(config)
+    clone.load_state_dict(state, strict=True)
+    return clone.eval()
