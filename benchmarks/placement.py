@@ -512,6 +512,8 @@ def flex_markdown(res: dict) -> list[str]:
                  f"{pv} | {f'{o:.2f}' if o else 'OOM'} | {f'{o / pv:.2f}' if o else '-'} | "
                  f"{c.get('per_gpu', '-')} | | {c.get('strategies', {}).get('actor_gen', '')} |")
     lo, hi = cmp["matched_in_band"]
+    counts = [r["matched"] for r in cmp["tie_sweep"]]
+    monotonic = counts in (sorted(counts), sorted(counts, reverse=True))
     oom = cmp["paper_oom"]
     L += ["", f"**Directions** (strategy vs DS-Chat on the same GPUs and size; a difference "
           f"within {cmp['tie']:.2%} counts as as-fast): **{cmp['matched']} of "
@@ -524,7 +526,8 @@ def flex_markdown(res: dict) -> list[str]:
           f"+{cmp['tie_upper']:.2%} (16.12 to 17.35, 1x8 7B). Every band from {cmp['tie']:.2%} "
           f"up to {cmp['tie_upper']:.2%} agrees with the paper's words; across them "
           f"**{lo}-{hi} of {cmp['n_pairs']}** directions match (the count above is at the "
-          "narrowest). The count is not monotonic in the band; at fixed bands:", "",
+          "narrowest)" + ("; the count is not monotonic in the band" if not monotonic else "")
+          + ". At fixed bands:", "",
           "| tie band | " + " | ".join(f"{r['tie']:.0%}" for r in cmp["tie_sweep"]) + " |",
           "|---|" + "---:|" * len(cmp["tie_sweep"]),
           "| directions matched | " + " | ".join(str(r["matched"]) for r in cmp["tie_sweep"])
@@ -532,11 +535,11 @@ def flex_markdown(res: dict) -> list[str]:
           f"*Cells the paper marks OOM*: **{cmp['n_paper_oom']}** ("
           + ", ".join(f"{c['strategy']} {c['gpus']} {c['size']}" for c in oom) + f"), left out "
           f"of the directions and ratios above; ours places {cmp['paper_oom_ours_fits']} of them"
-          + "".join(f"; {c['strategy']} {c['gpus']} {c['size']} at "
+          + "".join(("; " if i else ": ") + f"{c['strategy']} {c['gpus']} {c['size']} at "
                     + (f"{c['ours']:.2f} samples/s, batch {c['batch']} ({c['per_gpu']} per GPU), "
                        f"estimated peak {c['peak_gb']:.1f} GB of {cmp['usable_gb']:.0f} GB usable"
                        if c["ours_fits"] else "OOM too")
-                    for c in oom)
+                    for i, c in enumerate(oom))
           + ". Where ours fits and the paper's run did not, our memory model is short of what "
           "DeepSpeed holds (allocator fragmentation, communication buffers are not modelled).", "",
           "| comparison | paper | ours | match |", "|---|---:|---:|---|"]
@@ -580,7 +583,7 @@ def flex_markdown(res: dict) -> list[str]:
           "`parallelism: deepspeed-chat`, at the batch of the best hand-made strategy)", ""]
     if "search_date" in f:
         L += [f"From the run of {f['search_date']} (`--only flexrlhf_compare` recomputed the "
-              "estimates above and kept this time-limited search).", ""]
+              f"estimates above on {f['compare_date']} and kept this time-limited search).", ""]
     L += [
           "| GPUs | size | batch | best hand-made | its samples/s | searched samples/s | x | steps |",
           "|---|---|---:|---|---:|---:|---:|---:|"]
@@ -679,6 +682,9 @@ def main() -> int:
         f["compare"], f["ablation"] = flex_compare(f["ours"], ref), flex_ablation(ref)
         f["seconds_without_search"] = time.perf_counter() - t0
         f.setdefault("search_date", prev["date"])
+        f["compare_date"] = res["date"]
+        # the header's date and machine stay those of the timed sections
+        res["date"], res["machine"] = prev["date"], prev["machine"]
     RESULTS.mkdir(exist_ok=True)
     res["flexrlhf_png"] = f"{name}_flexrlhf.png"
     plot_flexrlhf(res["flexrlhf"], RESULTS / res["flexrlhf_png"])
