@@ -28,8 +28,17 @@ def test_profile_layers_times_every_layer_at_each_token_count():
     model = AutoModel.from_config(_config(layers=3))
     assert len(decoder_layers(model)) == 3
     calls = []
-    prof = profile_layers(model, tokens=[32, 64, 256], seq_len=64, repeats=1,
-                          progress=lambda d, t: calls.append((d, t)))
+    # One intra-op thread: this process's torch started with a thread per core, and a 1-ms
+    # layer split over both cores of a machine busy with anything else waits on the slower
+    # thread (the 32-token pass measured 5-10x the 256-token one in 2 runs of 3 on 2 cores
+    # with another job running, failing the ordering below; also on 1e5ac4b).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prof = profile_layers(model, tokens=[32, 64, 256], seq_len=64, repeats=1,
+                              progress=lambda d, t: calls.append((d, t)))
+    finally:
+        torch.set_num_threads(threads)
     assert prof["layers"] == 3 and prof["seq_len"] == 64
     assert list(prof["forward"]) == ["32", "64", "256"] == list(prof["backward"])
     assert all(v > 0 for v in [*prof["forward"].values(), *prof["backward"].values()])
