@@ -150,6 +150,59 @@ def test_the_root_is_exported_and_imports_nothing():
             if isinstance(n, (ast.Import, ast.ImportFrom))] == ["ImportFrom"]  # __future__
 
 
+def _tiny_loop_config(world: int, **kw):
+    from rlhf_fusion.loop.config import (
+        FusionLoopConfig,
+        GenerationConfig,
+        ModelsConfig,
+        PPOLoopConfig,
+        RLHFConfig,
+    )
+
+    return RLHFConfig(
+        models=ModelsConfig(actor={"family": "llama", "layers": 2, "hidden": 16}, seed=3),
+        generation=GenerationConfig(prompts_per_iteration=4, max_new_tokens=4, seed=5),
+        ppo=PPOLoopConfig(num_ppo_epochs=1, num_mini_batches=1, micro_batches=2),
+        fusion=FusionLoopConfig(inter=False, intra=False), world_size=world, iterations=1, **kw)
+
+
+def test_the_workers_config_faults_are_ours_and_still_the_builtin_they_were():
+    """The three faults PPOWorker raised as a bare ValueError / RuntimeError, before it builds
+    anything, each with its message unchanged."""
+    import dataclasses
+
+    import torch.distributed as dist
+
+    from rlhf_fusion.errors import RLHFFusionError
+    from rlhf_fusion.loop import PlacementSection, PPOWorker
+    from rlhf_fusion.loop.errors import LoopConfigError, LoopLaunchError
+    from rlhf_fusion.loop.placement import PlacementConfigError, placement_of
+
+    with pytest.raises(LoopLaunchError, match=r"a placement needs torch.distributed "
+                                              r"initialised with world_size=2 ranks") as got:
+        PPOWorker(_tiny_loop_config(2, placement=PlacementSection(preset="colocated")))
+    assert isinstance(got.value, RuntimeError)
+
+    cfg = _tiny_loop_config(1)
+    lp = placement_of(cfg)
+    calls = {**lp.calls, "actor_train": dataclasses.replace(lp.calls["actor_train"],
+                                                             kind="expert_parallel")}
+    with pytest.raises(PlacementConfigError, match="training layout 'expert_parallel'; the "
+                                                   "loop runs data_parallel") as got:
+        PPOWorker(cfg, placement=dataclasses.replace(lp, calls=calls))
+    assert isinstance(got.value, ValueError)
+
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        with pytest.raises(LoopConfigError, match="world_size: the config says 2, the process "
+                                                  "group has 1 ranks") as got:
+            PPOWorker(_tiny_loop_config(2))
+    finally:
+        dist.destroy_process_group()
+    assert isinstance(got.value, ValueError) and isinstance(got.value, RLHFFusionError)
+
+
 # --------------------------------------------------------------------------------------------
 # the formatter
 # --------------------------------------------------------------------------------------------
