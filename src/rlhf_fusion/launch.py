@@ -108,6 +108,7 @@ class RunInterrupted(BaseException):
     A :class:`BaseException`, as ``KeyboardInterrupt`` is: a stop is not an error, so it
     passes through every ``except Exception`` on its way (the loop's stage wrapper, which
     would make it a ``LoopStageError``, exit 1) to the command, which exits ``128 + signum``.
+    Hence also outside ``RLHFFusionError``, the root of the package's errors.
     """
 
     def __init__(self, signum: int, reason: str = ""):
