@@ -2,7 +2,7 @@
 
 For each plan on 4 local gloo processes: the estimator's predicted iteration time
 (``rlhf_fusion.placement``, Algorithm 1 over two iterations) beside the time measured when
-every rank walks the estimator's own graph (``rlhf_fusion.runtime.emulate``): each call sleeps
+every rank walks the estimator's own graph (``rlhf_fusion.testing.emulate``): each call sleeps
 its estimated duration while its input data (streamed per micro-batch) and the reallocated
 parameters (every ``plan_realloc`` transfer) really move between the processes. The hardware
 preset is this machine's: gloo point-to-point bandwidth and latency measured at the start of
@@ -55,7 +55,7 @@ from rlhf_fusion.placement import (
     search,
 )
 from rlhf_fusion.placement.graph import CALLS
-from rlhf_fusion.runtime.emulate import EmulationResult, emulate_plan, local_hardware, measure_links
+from rlhf_fusion.testing.emulate import EmulationResult, emulate_plan, local_hardware, measure_links
 
 RESULTS = Path(__file__).resolve().parent / "results"
 BAR = 0.20

@@ -67,8 +67,8 @@ from rlhf_fusion.placement import (
 )
 from rlhf_fusion.placement.graph import CALLS, TRAIN_CALL
 from rlhf_fusion.placement.profile import Profile
-from rlhf_fusion.runtime.emulate import local_hardware, measure_links
 from rlhf_fusion.runtime.layout_profile import median_layouts
+from rlhf_fusion.testing.emulate import local_hardware, measure_links
 
 WORLD = 2
 ITERATIONS = 4          # the first is warm-up (first allocations, first gathers)

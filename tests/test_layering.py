@@ -26,12 +26,15 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 PACKAGE = "rlhf_fusion"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
+    # The root of every exception of ours, imported by every layer.
+    ("rlhf_fusion.errors",),
     # Leaves. rollout/types.py: the plain data types both sides of rollout share (the
     # migration planner's errors and modes among them).
     ("rlhf_fusion.triton_kernels", "rlhf_fusion.launch", "rlhf_fusion.rollout.types"),
     ("rlhf_fusion.schedule", "rlhf_fusion.rollout.planning"),  # planning, no torch
     ("rlhf_fusion.placement",),
     ("rlhf_fusion.runtime", "rlhf_fusion.rollout"),
+    ("rlhf_fusion.algorithms",),  # GRPO/RLOO advantages and losses, on runtime's masked ops
     ("rlhf_fusion.loop",),
     ("rlhf_fusion.plugins", "rlhf_fusion.integrations"),
     ("rlhf_fusion",),  # the package's __init__ alone: importing it registers the strategies

@@ -62,7 +62,8 @@ def test_placement_imports_no_torch():
 
 def test_placement_code_imports_no_torch():
     """Only planning code below it: no torch/Lightning/Triton, nothing from the execution
-    layers; from rollout only the torch-free planning package."""
+    layers; from rollout only the torch-free planning package (and the exception root,
+    ``rlhf_fusion.errors``, which imports nothing)."""
     for path in (REPO / "src" / "rlhf_fusion" / "placement").glob("*.py"):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
@@ -76,7 +77,8 @@ def test_placement_code_imports_no_torch():
                 assert name.split(".")[0] not in ("torch", "lightning", "triton"), \
                     f"{path.name} imports {name}"
                 if name.startswith("rlhf_fusion.") and not name.startswith("rlhf_fusion.placement"):
-                    assert name.startswith(("rlhf_fusion.schedule", "rlhf_fusion.rollout.planning")), \
+                    assert name.startswith(("rlhf_fusion.schedule", "rlhf_fusion.rollout.planning",
+                                            "rlhf_fusion.errors")), \
                         f"{path.name} imports {name}"
 
 

@@ -1,4 +1,4 @@
-"""The emulated plan executor (``rlhf_fusion.runtime.emulate``) on 4 gloo processes.
+"""The emulated plan executor (``rlhf_fusion.testing.emulate``) on 4 gloo processes.
 
 One plan that exercises every path: data between meshes of different sizes (4 -> 2, 2 -> 1,
 1 -> 4, ...), reallocations between a tensor-parallel training layout and data-parallel
@@ -29,7 +29,7 @@ from rlhf_fusion.placement import (
     plan_realloc,
 )
 from rlhf_fusion.placement.graph import TRAIN_CALL
-from rlhf_fusion.runtime.emulate import (
+from rlhf_fusion.testing.emulate import (
     LinkMeasurement,
     _emulate_worker,
     build_program,

@@ -1,6 +1,9 @@
 """rlhf-fusion: stage fusion plugins for existing RLHF trainers."""
 
+from .errors import RLHFFusionError
+
 __version__ = "0.1.0"
+__all__ = ["RLHFFusionError", "__version__"]
 
 
 def _register_lightning_strategies() -> None:

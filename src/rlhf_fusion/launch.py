@@ -64,6 +64,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .errors import RLHFFusionError
+
 
 @dataclass
 class RankResult:
@@ -77,7 +79,7 @@ class RankResult:
     exitcode: int | None = None  # set when the process died without reporting
 
 
-class DistributedRunError(RuntimeError):
+class DistributedRunError(RLHFFusionError, RuntimeError):
     """Some rank failed; ``results`` holds every rank's :class:`RankResult`, in rank order."""
 
     def __init__(self, results: list[RankResult]):
@@ -94,7 +96,7 @@ class DistributedRunError(RuntimeError):
         return {r.rank: r for r in self.results if not r.ok}
 
 
-class LaunchEnvError(ValueError):
+class LaunchEnvError(RLHFFusionError, ValueError):
     """The torchrun/SLURM environment of this process is inconsistent; the message names the
     fix."""
 
@@ -106,6 +108,7 @@ class RunInterrupted(BaseException):
     A :class:`BaseException`, as ``KeyboardInterrupt`` is: a stop is not an error, so it
     passes through every ``except Exception`` on its way (the loop's stage wrapper, which
     would make it a ``LoopStageError``, exit 1) to the command, which exits ``128 + signum``.
+    Hence also outside ``RLHFFusionError``, the root of the package's errors.
     """
 
     def __init__(self, signum: int, reason: str = ""):

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..rollout.planning.lengths import LengthDistribution
+from .errors import LoopConfigError
 
 
 def worker_state(worker: Any, history: list[dict[str, float]]) -> dict[str, Any]:
@@ -68,9 +69,9 @@ def load_worker(worker: Any, path: str | Path) -> list[dict[str, float]]:
 def load_worker_state(worker: Any, ck: dict[str, Any], where: str = "checkpoint"
                       ) -> list[dict[str, float]]:
     if ck["world_size"] != worker.world or ck["rank"] != worker.rank:
-        raise ValueError(f"{where}: saved by rank {ck['rank']} of {ck['world_size']}; "
-                         f"this is rank {worker.rank} of {worker.world}: resume with the same "
-                         "world_size")
+        raise LoopConfigError(f"{where}: saved by rank {ck['rank']} of {ck['world_size']}; "
+                              f"this is rank {worker.rank} of {worker.world}: resume with the "
+                              "same world_size")
     for role, module in worker.training_modules().items():
         module.load_state_dict(ck["models"][role])
     for role, opt in worker.optimizers.items():

@@ -21,10 +21,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from ..errors import RLHFFusionError
 from .plot import ACCOUNTS, STAGES
 
 
-class CompareError(RuntimeError):
+class CompareError(RLHFFusionError, RuntimeError):
     """Fused and serial runs disagree on the samples they generated."""
 
 

@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..errors import RLHFFusionError
 from ..launch import note_stage
 from ..rollout.backend_registry import BackendRequest, make_backend
 from ..rollout.inference import Experience, InferenceModels, merge_parts
@@ -81,7 +82,7 @@ from ..schedule.problem import fused_problem
 from . import advantages as adv
 from .call_queues import CallQueues, NoGeneration, Publishing
 from .config import RLHFConfig
-from .errors import LoopConfigError
+from .errors import LoopConfigError, LoopLaunchError
 from .models import Models, build_models
 from .placement import (
     FUSED_PIPELINE,
@@ -92,12 +93,13 @@ from .placement import (
     TRAINING_KINDS,
     ZERO3,
     LoopPlacement,
+    PlacementConfigError,
     check_micro_batches,
     placement_of,
 )
 
 
-class LoopStageError(RuntimeError):
+class LoopStageError(RLHFFusionError, RuntimeError):
     """A stage of an iteration failed on this rank; the message names the rank and the stage."""
 
 
@@ -143,8 +145,8 @@ class PPOWorker:
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
         if self.world != cfg.world_size and self.distributed:
-            raise ValueError(f"world_size: the config says {cfg.world_size}, the process group "
-                             f"has {self.world} ranks")
+            raise LoopConfigError(f"world_size: the config says {cfg.world_size}, the process "
+                                  f"group has {self.world} ranks")
         self.placement = self._placement(placement)
         # Every rank creates every group, in the same order (new_group is collective): the
         # calls' rank sets, and the tensor-parallel and data-parallel groups inside sharded
@@ -182,9 +184,9 @@ class PPOWorker:
                                   "workers (rlhf_fusion.loop.train does, once)")
         if not self.distributed and lp.world_size > 1:
             if lp.name != "default":
-                raise RuntimeError("a placement needs torch.distributed initialised with "
-                                   f"world_size={self.cfg.world_size} ranks "
-                                   "(rlhf_fusion.loop.train starts them)")
+                raise LoopLaunchError("a placement needs torch.distributed initialised with "
+                                      f"world_size={self.cfg.world_size} ranks "
+                                      "(rlhf_fusion.loop.train starts them)")
             # One process without a process group: every call here.
             lp = LoopPlacement.default(1, 1, offload=lp.offload)
         return lp
@@ -265,8 +267,8 @@ class PPOWorker:
         lp, m = self.placement, self.models
         for kind in lp.training_kinds():
             if kind not in TRAINING_KINDS:
-                raise ValueError(f"placement {lp.name}: training layout {kind!r}; the "
-                                 f"loop runs {', '.join(TRAINING_KINDS)}")
+                raise PlacementConfigError(f"placement {lp.name}: training layout {kind!r}; "
+                                           f"the loop runs {', '.join(TRAINING_KINDS)}")
         if lp.fused_training:
             actor, critic = lp.layout("actor_train"), lp.layout("critic_train")
             problem = fused_problem(stage_groups=lp.stage_groups,

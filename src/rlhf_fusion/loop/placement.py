@@ -55,6 +55,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from ..errors import RLHFFusionError
 from ..placement.graph import CALL_KIND, CALLS, TRAIN_CALL
 from .errors import LoopConfigError
 
@@ -79,7 +80,7 @@ SYNC_TARGET = {"actor": "actor_gen", "critic": "critic_inf"}
 FROZEN_MODELS = ("ref", "reward")
 
 
-class PlacementConfigError(ValueError):
+class PlacementConfigError(RLHFFusionError, ValueError):
     """A placement the loop cannot run; the message names the reason and the fix."""
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from ..errors import RLHFFusionError
 
-class PlacementError(ValueError):
+
+class PlacementError(RLHFFusionError, ValueError):
     """A placement, plan or planner config that cannot work; the message names the fix."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
+from ..errors import RLHFFusionError
+
 __all__ = [
     "MIGRATION_MODES",
     "BackendCapabilities",
@@ -30,11 +32,11 @@ MigrationMode = Literal["kv", "tokens"]
 MIGRATION_MODES: tuple[str, ...] = ("kv", "tokens")
 
 
-class RolloutError(RuntimeError):
+class RolloutError(RLHFFusionError, RuntimeError):
     """Base class for rollout failures."""
 
 
-class RolloutConfigError(ValueError):
+class RolloutConfigError(RLHFFusionError, ValueError):
     """A rollout configuration that cannot run; the message names the field and the fix."""
 
 

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from ..errors import RLHFFusionError
 
-class PipelineError(RuntimeError):
+
+class PipelineError(RLHFFusionError, RuntimeError):
     """Something went wrong while executing an instruction stream.
 
     When the failure happens inside :meth:`PipelineEngine.run`, the engine appends the
@@ -39,11 +41,11 @@ class PeerError(PipelineError):
     """The transport reported a failure (typically a peer process that died)."""
 
 
-class PartitionError(ValueError):
+class PartitionError(RLHFFusionError, ValueError):
     """A model cannot be split into the requested pipeline stages."""
 
 
-class PlanError(ValueError):
+class PlanError(RLHFFusionError, ValueError):
     """A schedule/problem that does not match the models or the process layout."""
 
 

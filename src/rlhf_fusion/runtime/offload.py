@@ -33,10 +33,12 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ..errors import RLHFFusionError
+
 RESIDENT, OFFLOADED, PREFETCHING = "resident", "offloaded", "prefetching"
 
 
-class OffloadedModelError(RuntimeError):
+class OffloadedModelError(RLHFFusionError, RuntimeError):
     """A host-offloaded model was called before its weights were brought back."""
 
 

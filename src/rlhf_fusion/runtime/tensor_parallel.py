@@ -49,6 +49,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from ..errors import RLHFFusionError
 from .partition import _layers, _layout
 
 __all__ = [
@@ -65,7 +66,7 @@ __all__ = [
 PERMUTATION_ATTR = "_rlhf_tp_column_order"
 
 
-class TensorParallelError(ValueError):
+class TensorParallelError(RLHFFusionError, ValueError):
     """A model or mesh tensor parallelism cannot run on; the message names the fix."""
 
 

@@ -11,10 +11,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from ..errors import RLHFFusionError
+
 DIRECTIONS = ("forward", "reverse")
 
 
-class ProblemError(ValueError):
+class ProblemError(RLHFFusionError, ValueError):
     """A problem description that cannot be scheduled; the message names the field and the fix."""
 
 

@@ -1,7 +1,8 @@
 """Test support shipped with the package (as ``torch.testing``): tiny models, synthetic PPO
 experience, exactness cases and rank workers, a tiny Lightning module, a tiny distributed
 rollout with fault injection, the Triton-interpreter runner for kernel tests, tiny TRL
-models and tokenizers, the fake vLLM engine and the CPU stubs for OpenRLHF.
+models and tokenizers, the fake vLLM engine, the CPU stubs for OpenRLHF and the emulated
+executor of a placement plan.
 
 The project's tests, benchmarks and examples use it; so can code built on rlhf-fusion.
 Everything a spawned rank runs is defined at module level, so ``rlhf_fusion.launch.run_ranks``
@@ -25,6 +26,8 @@ submodule                  what
 ``testing.openrlhf``       ``install_cpu_stubs`` (vllm, flash_attn, deepspeed stubs),
                            ``HOOK_WITH_STUBS`` (the Ray hook with them), ``StubTokenizer``,
                            ``FakeModel``
+``testing.emulate``        ``emulate_plan``, ``local_hardware``, ``measure_links``: a placement
+                           plan's timeline run on gloo processes to check the estimator
 =========================  ===================================================================
 
 ``import rlhf_fusion.testing`` imports nothing heavy; each name below loads its submodule on
@@ -89,6 +92,14 @@ _LAZY = {
     "fake_model_actor_class": ".openrlhf",
     "install_cpu_stubs": ".openrlhf",
     "setup_worker_with_cpu_stubs": ".openrlhf",
+    # the emulated placement-plan executor
+    "EmulationError": ".emulate",
+    "EmulationResult": ".emulate",
+    "LinkMeasurement": ".emulate",
+    "build_program": ".emulate",
+    "emulate_plan": ".emulate",
+    "local_hardware": ".emulate",
+    "measure_links": ".emulate",
 }
 
 __all__ = list(_LAZY)

@@ -15,6 +15,7 @@ import inspect
 import textwrap
 from pathlib import Path
 
+from ...errors import RLHFFusionError
 from .plugin_state import STOCK
 
 __all__ = ["SUPPORTED", "OpenRLHFVersionError", "check_seams", "check_version"]
@@ -24,7 +25,7 @@ SUPPORTED_TEXT = "openrlhf>=0.11.2,<0.12"
 TRAIN_MODULE = "openrlhf.cli.train_ppo_ray"
 
 
-class OpenRLHFVersionError(RuntimeError):
+class OpenRLHFVersionError(RLHFFusionError, RuntimeError):
     """OpenRLHF missing, or a version whose seams differ from the ones patched here."""
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
+from ...errors import RLHFFusionError
 from ...rollout.sampling import derive_seed
 
 __all__ = ["FusionRolloutMixin", "make_fusion_rollout_actor"]
@@ -34,7 +35,7 @@ __all__ = ["FusionRolloutMixin", "make_fusion_rollout_actor"]
 _CURRENT: contextvars.ContextVar[Any] = contextvars.ContextVar("rlhf_fusion_sample", default=None)
 
 
-class _Migrated(Exception):  # noqa: N818 - control flow, not an error
+class _Migrated(RLHFFusionError):  # noqa: N818 - control flow, not an error
     def __init__(self, snapshot: dict[str, Any]) -> None:
         super().__init__("exported for migration")
         self.snapshot = snapshot

@@ -11,6 +11,8 @@ import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from ...errors import RLHFFusionError
+
 __all__ = ["ENV_VAR", "FUSION_FLAGS", "FusionFlagError", "FusionOptions", "split_argv"]
 
 # Carries the options from the driver to every Ray worker (runtime_env env_vars).
@@ -38,7 +40,7 @@ FUSION_FLAGS: dict[str, tuple[bool, str]] = {
 }
 
 
-class FusionFlagError(ValueError):
+class FusionFlagError(RLHFFusionError, ValueError):
     """A ``--fusion.*`` flag that does not exist or has a bad value; the message lists the fix."""
 
 

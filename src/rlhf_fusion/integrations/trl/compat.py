@@ -16,6 +16,8 @@ import warnings
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ...errors import RLHFFusionError
+
 __all__ = [
     "GRPO_SEAMS",
     "RLOO_SEAMS",
@@ -56,7 +58,7 @@ RLOO_SEAMS: Seams = {
 }
 
 
-class TRLCompatError(RuntimeError):
+class TRLCompatError(RLHFFusionError, RuntimeError):
     """The installed TRL does not have the private methods the fused trainers override."""
 
 

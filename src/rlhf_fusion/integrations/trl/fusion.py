@@ -6,12 +6,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from typing import Any, Literal
 
+from ...errors import RLHFFusionError
 from ...rollout.backend_registry import backend_names
 
 __all__ = ["FusionConfig", "FusionConfigError"]
 
 
-class FusionConfigError(ValueError):
+class FusionConfigError(RLHFFusionError, ValueError):
     """A FusionConfig that cannot run; the message names the field and the fix."""
 
 

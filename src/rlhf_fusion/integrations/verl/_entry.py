@@ -21,7 +21,10 @@ __all__ = ["VerlPluginLoadError"]
 
 class VerlPluginLoadError(BaseException):
     """RLHF_FUSION_VERL asked for a plugin this process cannot install (the message says why
-    and names verl's version)."""
+    and names verl's version).
+
+    A :class:`BaseException`, outside ``RLHFFusionError`` on purpose: verl imports its plugins
+    under ``except Exception``, which would swallow the failure and run stock verl."""
 
 
 def _load() -> None:

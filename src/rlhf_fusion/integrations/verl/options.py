@@ -7,6 +7,8 @@ import os
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from ...errors import RLHFFusionError
+
 __all__ = ["ENV_VAR", "PLUGINS", "HYDRA_KEY", "VerlPluginError", "parse_plugins", "plugins_from_env",
            "plugins_from_config"]
 
@@ -16,7 +18,7 @@ PLUGINS = ("gae", "overlap")
 _OFF = ("", "0", "none", "off", "false")
 
 
-class VerlPluginError(RuntimeError):
+class VerlPluginError(RLHFFusionError, RuntimeError):
     """A plugin asked for that this verl cannot take: an unknown name, an unsupported version, or
     a seam (function, signature, call site) that moved. The message names verl's version."""
 

@@ -53,6 +53,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..errors import RLHFFusionError
 from ..launch import run_ranks
 from ..placement.costs import CostModel
 from ..placement.estimate import STREAM_CHUNKS, Estimate, Estimator
@@ -63,7 +64,7 @@ from ..placement.realloc_plan import Layout, plan_realloc
 from ..placement.timeline import Timeline
 
 
-class EmulationError(RuntimeError):
+class EmulationError(RLHFFusionError, RuntimeError):
     """A wait of the emulated executor failed or passed its deadline; names node and rank."""
 
 
