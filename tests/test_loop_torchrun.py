@@ -202,15 +202,7 @@ def test_sigterm_to_one_rank_stops_both_nodes_at_one_boundary_and_resume_is_exac
     assert [r["iteration"] for r in _rows(outs[0])] == list(range(stopped))
     assert not list(outs[0].glob("checkpoints/*.partial"))
     assert not outs[1].exists()
-    resumed = _torchrun(tmp_path, outs, "--resume")
-    errs = _finish(resumed, 600)
-    assert [p.returncode for p in resumed] == [0, 0], [e[-3000:] for e in errs]
-    a, b = _params(outs[0], N), _params(spawned_run, N)
-    assert all(torch.equal(a[k], b[k]) for k in b), _max_diff(a, b)
-    rows, ref = _rows(outs[0]), _rows(spawned_run)
-    assert [r["iteration"] for r in rows] == list(range(N))
-    for x, y in zip(rows, ref, strict=True):
-        assert {k: x[k] for k in LEARNING} == {k: y[k] for k in LEARNING}, x["iteration"]
+    _resumes_to_the_spawned_run(tmp_path, outs, spawned_run)
 
 
 def test_sigterm_to_the_torchrun_agents_is_passed_on_and_the_ranks_checkpoint(tmp_path):
