@@ -16,7 +16,12 @@ from rlhf_fusion.rollout import (
     SampleSpec,
 )
 from rlhf_fusion.rollout.reference import ReferenceBackend
-from rlhf_fusion.rollout.sampling import derive_seed, keyed_sample, keyed_uniform
+from rlhf_fusion.rollout.sampling import (
+    derive_seed,
+    keyed_sample,
+    keyed_uniform,
+    keyed_uniform_torch,
+)
 from rlhf_fusion.rollout.wire import pack_tickets, unpack_tickets
 from rlhf_fusion.testing import build_causal_lm, tiny_config
 
@@ -53,6 +58,35 @@ def test_keyed_uniform_is_a_pure_function_of_the_key():
     # roughly uniform: mean of many draws near 1/2
     u = keyed_uniform(list(range(200)), [0] * 200, [0] * 200, 500)
     assert abs(u.mean() - 0.5) < 0.01
+
+
+_HASH_KEYS = (
+    [0, 1, -1, 2**63 - 1, -(2**63), 2**64 - 1, 123456789012345, -987654321],
+    [0, 7, 2**40 + 3, 5, 2**63 + 11, 1, 99, 2**31],
+    [0, 1, 2, 2**62, 3, 2**64 - 2, 4095, 17],
+)
+
+
+def test_keyed_uniform_torch_has_the_numpy_hash_bits():
+    # keyed_sample hashes in torch int64 on the logits' device; it must be the numpy uint64
+    # splitmix64 bit for bit, sign bits and high vocabulary indices included.
+    ref = keyed_uniform(*_HASH_KEYS, 151936)
+    got = keyed_uniform_torch(*_HASH_KEYS, 151936).numpy()
+    assert (got == ref).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_keyed_uniform_on_cuda_has_the_numpy_hash_bits():
+    ref = keyed_uniform(*_HASH_KEYS, 151936)
+    got = keyed_uniform_torch(*_HASH_KEYS, 151936, device="cuda").cpu().numpy()
+    assert (got == ref).all()
+    logits = torch.randn(8, 151936, generator=torch.Generator().manual_seed(0))
+    args = (list(range(8)), list(range(8)), [3] * 8, [1.0] * 8)
+    on_gpu, lp_gpu = keyed_sample(logits.cuda(), *args)
+    on_cpu, lp_cpu = keyed_sample(logits, *args)
+    assert on_gpu == on_cpu
+    assert max(abs(a - b) for a, b in zip(lp_gpu, lp_cpu, strict=True)) < 1e-12
 
 
 def test_keyed_sample_matches_softmax_frequencies():

@@ -5,8 +5,12 @@ The token drawn at response position ``p`` of sample ``i`` is ``argmax(logits/T 
 a pure function of the logits and the key: batching, the instance a sample runs on, and
 migration cannot change it (Gumbel-max is an exact sample from softmax(logits/T)).
 
-The hash runs in numpy uint64, whose wrap-around multiplication is defined behaviour (torch's
-signed int64 overflow is not), and is identical on every platform.
+The hash is splitmix64. ``keyed_uniform`` runs it in numpy uint64 (wrap-around multiplication
+is defined behaviour there). ``keyed_sample`` runs the same hash in torch int64 on the logits'
+device, so a GPU never ships (B, V) float64 logits and noise to the host per decode step (with a
+150k vocabulary that was most of a decode step). torch's int64 multiply wraps in two's complement
+on CPU and CUDA, which is the uint64 product's bit pattern; right shifts are masked to make them
+logical. ``tests/test_rollout_reference.py`` pins the two to the same bits.
 """
 
 from __future__ import annotations
@@ -56,6 +60,46 @@ def derive_seed(seed: int, sample_id: int, position: int) -> int:
     return int(h[0] >> np.uint64(1))
 
 
+_MASK64 = (1 << 64) - 1
+
+
+def _signed(v: int) -> int:
+    """A uint64 constant as the int64 with the same bits."""
+    v &= _MASK64
+    return v - (1 << 64) if v >> 63 else v
+
+
+_T_GOLDEN, _T_M1, _T_M2 = (_signed(int(c)) for c in (_GOLDEN, _M1, _M2))
+
+
+def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
+    # int64 >> is arithmetic; masking off the sign-extended bits makes it uint64's logical shift.
+    return (x >> k) & ((1 << (64 - k)) - 1)
+
+
+def _splitmix64_torch(x: torch.Tensor) -> torch.Tensor:
+    x = x + _T_GOLDEN
+    x = (x ^ _shr(x, 30)) * _T_M1
+    x = (x ^ _shr(x, 27)) * _T_M2
+    return x ^ _shr(x, 31)
+
+
+def keyed_uniform_torch(
+    seeds: Sequence[int], sample_ids: Sequence[int], positions: Sequence[int], vocab_size: int,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """:func:`keyed_uniform` computed on ``device``: the same bits, float64 ``(B, vocab_size)``."""
+    def key(values: Sequence[int]) -> torch.Tensor:
+        return torch.tensor([_signed(int(v)) for v in values], dtype=torch.int64, device=device)
+
+    h = _splitmix64_torch(key(seeds))
+    h = _splitmix64_torch(h ^ key(sample_ids))
+    h = _splitmix64_torch(h ^ key(positions))
+    cols = torch.arange(vocab_size, dtype=torch.int64, device=device) * _T_GOLDEN
+    z = _splitmix64_torch(h[:, None] ^ cols[None, :])
+    return (_shr(z, 11).to(torch.float64) + 0.5) * (1.0 / 9007199254740992.0)
+
+
 def keyed_sample(
     logits: torch.Tensor,
     seeds: Sequence[int],
@@ -66,15 +110,16 @@ def keyed_sample(
     """Draw one token per row of ``logits`` (B, V); return tokens and their logprobs.
 
     Temperature 0 is greedy. Logprobs are under softmax(logits / T) (plain softmax when greedy),
-    computed in float64.
+    computed in float64 on the logits' device; only the B tokens and logprobs reach the host.
     """
-    logits = logits.detach().to(device="cpu", dtype=torch.float64)
+    logits = logits.detach().to(dtype=torch.float64)
+    dev = logits.device
     batch, vocab = logits.shape
-    temps = torch.tensor([float(t) for t in temperatures], dtype=torch.float64)
+    temps = torch.tensor([float(t) for t in temperatures], dtype=torch.float64, device=dev)
     scale = torch.where(temps > 0, temps, torch.ones_like(temps))
     scaled = logits / scale[:, None]
     logp = torch.log_softmax(scaled, dim=-1)
-    u = torch.from_numpy(keyed_uniform(seeds, sample_ids, positions, vocab))
+    u = keyed_uniform_torch(seeds, sample_ids, positions, vocab, dev)
     gumbel = -torch.log(-torch.log(u))
     noisy = torch.where((temps > 0)[:, None], scaled + gumbel, scaled)
     tokens = torch.argmax(noisy, dim=-1)
