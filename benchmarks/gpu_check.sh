@@ -57,7 +57,7 @@ step() {   # step NAME LIMIT_S COMMAND...: run one step, log it, record its row
     elif [ $rc -ne 0 ]; then status="FAILED (rc $rc)"; FAILED=$((FAILED + 1)); fi
     # The step's last lines that say what it measured (or why it failed).
     local note
-    note=$(grep -E '^(loop|lightning|offload|grpo|ppo|wrote|[0-9]+ (passed|failed|skipped)|=+ .*(passed|failed|skipped|error))' "$log" \
+    note=$(grep -E '^(loop|lightning|offload|sampling|grpo|ppo|wrote|[0-9]+ (passed|failed|skipped)|=+ .*(passed|failed|skipped|error))' "$log" \
            | tail -n 6 | tr '\n' ' ' | sed 's/|/\\|/g' | cut -c1-600)
     [ $rc -ne 0 ] && note="$note $(tail -n 3 "$log" | tr '\n' ' ' | sed 's/|/\\|/g' | cut -c1-400)"
     echo "   -> $status in ${took}s"
@@ -97,6 +97,10 @@ GPU_TESTS=$(grep -l -E 'mark\.gpu|pytest\.mark\.gpu' tests/*.py | tr '\n' ' ')
 step a_gpu_tests 150 $PY -m pytest -q -p no:cacheprovider -m gpu -o addopts="" $GPU_TESTS
 
 # b. The loop under torchrun, one process: 3 iterations.
+CPUFLAG=$([ $CPU = 1 ] && echo --cpu)
+step s_sampling 60 $PY benchmarks/gpu_check_steps.py sampling $CPUFLAG
+step c_lightning 150 $PY benchmarks/gpu_check_steps.py lightning $CPUFLAG
+
 LOOP_CFG="$OUTDIR/loop.yaml"
 if [ $CPU = 1 ]; then
     ACTOR='{family: qwen2, layers: 2, hidden: 64, heads: 4, kv_heads: 2, intermediate_size: 128, vocab_size: 512, tie: true}'
@@ -116,15 +120,13 @@ generation: $GEN
 ppo: {learning_rate: 1.0e-6, num_mini_batches: 2, micro_batches: 2}
 fusion: {inter: false, intra: false}
 EOF
-step b_loop_torchrun 240 bash -c "$PY -m torch.distributed.run --standalone --nproc-per-node 1 \
+step b_loop_torchrun 150 bash -c "$PY -m torch.distributed.run --standalone --nproc-per-node 1 \
     -m rlhf_fusion.cli train '$LOOP_CFG' --out '$OUTDIR/loop-run' --overwrite \
     --checkpoint-every 0 && $PY benchmarks/gpu_check_steps.py loop-metrics '$OUTDIR/loop-run' 3 \
     && if [ $CPU = 0 ]; then grep -q 'one process, on cuda' '$OUTDIR/b_loop_torchrun.log' \
        || { echo 'loop: the run did not use the GPU'; exit 1; }; fi"
 
 # c. FusedPPOModule with Lightning on one device.
-CPUFLAG=$([ $CPU = 1 ] && echo --cpu)
-step c_lightning 150 $PY benchmarks/gpu_check_steps.py lightning $CPUFLAG
 
 # d. The offload prefetch path.
 step d_offload 120 $PY benchmarks/gpu_check_steps.py offload $CPUFLAG
@@ -140,7 +142,7 @@ if $PY -c 'import trl, datasets' >/dev/null 2>&1; then
         step e_trl 300 $PY benchmarks/trl.py --quick --family qwen2 --hidden 64 --layers 2 \
             --no-write
     else
-        step e_trl 320 $PY benchmarks/trl.py --cuda --steps 4
+        step e_trl 400 $PY benchmarks/trl.py --cuda --steps 4 --algos grpo ppo
         # The results file comes back with $OUT.
         find benchmarks/results -name 'trl_*' -newer "$OUTDIR/env.txt" -exec cp {} "$OUTDIR/" \;
     fi

@@ -196,20 +196,50 @@ def loop_metrics(out_dir: str, iterations: int) -> None:
     print("loop: " + "; ".join(f"{k} " + ", ".join(f"{r[k]:.4g}" for r in rows) for k in keys))
 
 
+def sampling(cpu: bool) -> None:
+    """One decode step's token draw for 64 rows of a 151936-token vocabulary: on the logits'
+    device (``keyed_sample``) vs the host path it replaced (float64 logits and numpy noise)."""
+    import time
+
+    from rlhf_fusion.rollout.sampling import keyed_sample, keyed_uniform
+
+    dev = _device(cpu)
+    rows, vocab = (64, 151936) if not cpu else (8, 4096)
+    logits = torch.randn(rows, vocab, device=dev, generator=None)
+    key = (list(range(rows)), list(range(rows)), [7] * rows, [1.0] * rows)
+
+    def host() -> list[int]:
+        lg = logits.to(device="cpu", dtype=torch.float64)
+        u = torch.from_numpy(keyed_uniform(key[0], key[1], key[2], vocab))
+        return torch.argmax(lg + -torch.log(-torch.log(u)), dim=-1).tolist()
+
+    timings = {}
+    for name, fn in (("device", lambda: keyed_sample(logits, *key)[0]), ("host", host)):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(3):
+            out = fn()
+        timings[name] = (time.perf_counter() - t0) / 3
+        timings[name + "_tokens"] = out
+    assert timings["device_tokens"] == timings["host_tokens"], "device and host draws differ"
+    print(f"sampling: {rows} x {vocab} on {_name(cpu)}: on the device {timings['device'] * 1e3:.1f}"
+          f" ms per step, host path {timings['host'] * 1e3:.1f} ms; same tokens")
+
+
 def _name(cpu: bool) -> str:
     return "cpu" if cpu else torch.cuda.get_device_name()
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("step", choices=["lightning", "offload", "loop-metrics"])
+    ap.add_argument("step", choices=["lightning", "offload", "sampling", "loop-metrics"])
     ap.add_argument("args", nargs="*")
     ap.add_argument("--cpu", action="store_true", help="tiny shapes on the CPU (smoke test)")
     a = ap.parse_args(argv)
     if a.step == "loop-metrics":
         loop_metrics(a.args[0], int(a.args[1]))
     else:
-        {"lightning": lightning, "offload": offload}[a.step](a.cpu)
+        {"lightning": lightning, "offload": offload, "sampling": sampling}[a.step](a.cpu)
     return 0
 
 

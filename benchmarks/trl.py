@@ -207,7 +207,7 @@ def bench_grpo(args: argparse.Namespace) -> dict[str, Any]:
                              for name, fused in (("stock", False), ("fused", True))})
 
 
-# --cuda: every algorithm's (payload, table, notes), written to one file at the end.
+# --cuda: every algorithm's (payload, table, notes), (re)written to one file after each.
 _ONE_FILE: dict[str, tuple[dict[str, Any], Any, list[str]]] = {}
 
 
@@ -467,8 +467,8 @@ def main(argv: list[str] | None = None) -> int:
             runs.append((seed, bench(args)))
         if not args.no_write:
             write(args, runs)
-    if args.cuda and not args.no_write:
-        _write_one_file(args)
+            if args.cuda:   # after every algorithm, so a run cut short keeps what it measured
+                _write_one_file(args)
     return 0
 
 
