@@ -288,7 +288,14 @@ class PPOWorker:
                 if self._sharded(role):   # (tp checked against the model by validate)
                     shard_for_training(getattr(m, role), role, self._train_layout(role),
                                        self.rank, self._train_groups(role), self.device)
+                else:
+                    getattr(m, role).to(self.device)
                 params[role] = list(getattr(m, role).parameters())
+        off = sorted({f"{role} on {q.device}" for role, ps in params.items() for q in ps
+                      if q.device.type != self.device.type})
+        if off:   # a model left behind trains correctly and silently slowly (found on a GPU)
+            raise LoopStageError(f"rank {self.rank}: trained parameters are not on "
+                                 f"{self.device}: {', '.join(off)}")
         self.optimizers = self._optimizers(params)
 
     def _optimizers(self, params: dict[str, list[torch.nn.Parameter]]
@@ -657,6 +664,7 @@ class PPOWorker:
 
     def _dp_step(self, role: str, call: str, mbs: Sequence[dict[str, Tensor]],
                  loss_fns: dict[str, Any]) -> dict[str, float]:
+        mbs = [{k: v.to(self.device) for k, v in mb.items()} for mb in mbs]
         return data_parallel_step(getattr(self.models, role), role, self._train_layout(role),
                                   self.rank, mbs, loss_fns, self.optimizers[role],
                                   self._train_groups(role), self.cfg.ppo.max_grad_norm)
