@@ -244,17 +244,13 @@ class TailConsolidatingLoadBalancer(GlobalRequestLoadBalancer):
         decodes there: abort again, up to ABORT_TRIES times; after that it ends where it is)."""
         if not self._aborts:
             return
-        import ray
-
-        done, _ = ray.wait([a.ref for a in self._aborts], num_returns=len(self._aborts),
-                           timeout=0)
-        answered = set(done)
+        answered = _answered([a.ref for a in self._aborts])
         keep: list[_Abort] = []
         for a in self._aborts:
-            if a.ref not in answered:
+            if id(a.ref) not in answered:
                 keep.append(a)
                 continue
-            result = ray.get(a.ref)
+            result = answered[id(a.ref)]
             if isinstance(result, dict) and result.get("aborted"):
                 continue
             run = self._running.get(a.request_id)
@@ -265,6 +261,23 @@ class TailConsolidatingLoadBalancer(GlobalRequestLoadBalancer):
             else:
                 self._moving.pop(a.request_id, None)
         self._aborts = keep
+
+
+def _answered(refs: list[Any]) -> dict[int, Any]:
+    """``{id(ref): result}`` of the refs that have answered, without waiting. Ray ObjectRefs
+    (the replicas' actor calls); an asyncio future stands for one where the replicas are
+    in-process objects (tests/test_verl_tail.py)."""
+    import ray
+
+    out: dict[int, Any] = {}
+    ray_refs = [r for r in refs if isinstance(r, ray.ObjectRef)]
+    if ray_refs:
+        done, _ = ray.wait(ray_refs, num_returns=len(ray_refs), timeout=0)
+        out.update((id(r), ray.get(r)) for r in done)
+    for r in refs:
+        if not isinstance(r, ray.ObjectRef) and r.done():
+            out[id(r)] = r.result()
+    return out
 
 
 def balancer_cls(policy: TailPolicy) -> type[TailConsolidatingLoadBalancer]:
@@ -331,6 +344,9 @@ class TailConsolidationMixin:
         self._tail_policy = tail_policy_from_config(self.config)
         if self._tail_policy is None:
             return
+        from .compat import check_tail_seam, check_version
+
+        check_tail_seam(check_version())
         manager = self._tail_manager()
         servers = dict(zip(manager.server_addresses, manager.server_handles, strict=True))
         if manager is not self.llm_server_manager and getattr(  # type: ignore[attr-defined]
