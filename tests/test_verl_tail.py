@@ -240,7 +240,7 @@ def test_rt_zero_routes_as_verl():
     for step in range(300):
         if held and ops.random() < 0.45:
             rid, _ = held.pop(ops.randrange(len(held)))
-            for name, lb in (("ours", ours), ("stock", stock)):
+            for lb in (ours, stock):
                 lb.release_server(lb._request_id_to_server[rid], request_id=rid)
         else:
             rid = f"r{ops.randrange(40)}"  # repeats: sticky sessions
@@ -292,6 +292,28 @@ def test_abort_not_found_leaves_the_request_where_it_is():
     lb, w = asyncio.run(asyncio.wait_for(wave(release_first=True), DEADLINE_S))
     assert lb.tail_status()["moving"] == {}
     assert len(w["replicas"][w["src"]].reset_prefix_cache) == 1
+
+
+def test_keepers_are_m_even_when_the_tail_sits_on_fewer():
+    """The tail on one replica, m = 2: nothing moves, two replicas keep serving (the holder
+    and an idle one), and next turns go to the keepers, never to the freed replica."""
+    tail = _tail()
+    lb = tail.balancer_cls(tail.TailPolicy(rt=2, bs_max=1, longest_kv_tokens=8))(
+        servers={k: Handle(StubReplica(k)) for k in "abc"})
+    assert lb.policy.m == 2
+    got = {f"q{k}": lb.acquire_server(f"q{k}", **{tail.VLLM_ID_FIELD: f"v{k}"})[0]
+           for k in range(3)}
+    assert sorted(got.values()) == list("abc")
+    lb.release_server(got["q0"], request_id="q0")
+    assert lb.migrations == []  # 2 decoding: not fewer than R_t
+    lb.release_server(got["q1"], request_id="q1")
+    [mig] = lb.migrations
+    assert mig["moves"] == {} and len(mig["targets"]) == 2 and got["q2"] in mig["targets"]
+    [idle] = [s for s in mig["targets"] if s != got["q2"]]
+    assert sorted(mig["freed"] + mig["targets"]) == list("abc")
+    lb.acquire_server("t0", **{tail.VLLM_ID_FIELD: "t0"})  # 2 decoding again: routing is verl's
+    assert lb._request_id_to_server["t0"] == idle
+    assert lb.tail_status()["targets"] is None
 
 
 def test_policy_from_verl_config():

@@ -226,9 +226,14 @@ class TailConsolidatingLoadBalancer(GlobalRequestLoadBalancer):
                                                self._abort(servers[src], run.vllm_id)))
                     self._moving[rid] = servers[dst]
                     moves[rid] = (servers[src], servers[dst])
-        self._targets = [servers[d] for d in plan.destinations]
+        keep, freed = list(plan.destinations), list(plan.freed)
+        # the tail sits on fewer than m replicas: keep m anyway (idle ones, by id) so a
+        # multi-turn loop's next turns spread over m, as R_t was sized for
+        while len(keep) < self.policy.m and freed:
+            keep.append(freed.pop(0))
+        self._targets = sorted(servers[d] for d in keep)
         record = {"running": n, "targets": list(self._targets),
-                  "freed": [servers[i] for i in plan.freed], "moves": moves}
+                  "freed": [servers[i] for i in freed], "moves": moves}
         self.migrations.append(record)
         LOG.warning(f"rlhf_fusion: {n} < R_t={self._rt()} requests decoding: tail kept on "
                     f"{len(self._targets)} replica(s), {len(moves)} request(s) moved, "
@@ -273,7 +278,11 @@ def _answered(refs: list[Any]) -> dict[int, Any]:
     ray_refs = [r for r in refs if isinstance(r, ray.ObjectRef)]
     if ray_refs:
         done, _ = ray.wait(ray_refs, num_returns=len(ray_refs), timeout=0)
-        out.update((id(r), ray.get(r)) for r in done)
+        for r in done:
+            try:
+                out[id(r)] = ray.get(r)
+            except Exception as exc:  # noqa: BLE001 - a dead replica: the request is not moved
+                out[id(r)] = {"aborted": False, "error": repr(exc)}
     for r in refs:
         if not isinstance(r, ray.ObjectRef) and r.done():
             out[id(r)] = r.result()
@@ -283,8 +292,11 @@ def _answered(refs: list[Any]) -> dict[int, Any]:
 def balancer_cls(policy: TailPolicy) -> type[TailConsolidatingLoadBalancer]:
     """:class:`TailConsolidatingLoadBalancer` with ``policy`` bound (verl's factory passes no
     arguments of ours; cloudpickle ships the class, policy included, to the Ray actor)."""
-    return type("TailConsolidatingLoadBalancer", (TailConsolidatingLoadBalancer,),
-                {"policy": policy, "__module__": __name__})
+    cls = type("TailConsolidatingLoadBalancer", (TailConsolidatingLoadBalancer,),
+               {"policy": policy, "__module__": __name__})
+    # a qualname the module does not hold: cloudpickle ships the class (and policy) by value
+    cls.__qualname__ = f"TailConsolidatingLoadBalancer[rt={policy.rt}]"
+    return cls
 
 
 class TailMigratingClient(FullyAsyncLLMServerClient):
