@@ -316,6 +316,64 @@ def test_keepers_are_m_even_when_the_tail_sits_on_fewer():
     assert lb.tail_status()["targets"] is None
 
 
+def test_balancer_as_verl_builds_it_in_ray():
+    """verl's get_router_handle makes our bound class a Ray actor (shipped by value, policy
+    included); the migration aborts on a replica actor with a real ObjectRef, which the
+    balancer settles, and the resubmission goes to the keeper."""
+    tail = _tail()
+    ray = pytest.importorskip("ray")
+    from verl.workers.rollout.router import get_router_handle
+
+    class Replica:
+        """Nested: Ray ships it by value (the worker cannot import this test module)."""
+
+        def __init__(self) -> None:
+            self.aborts: list[tuple[str, bool]] = []
+
+        async def abort_request(self, request_id: str, reset_prefix_cache: bool = True) -> dict:
+            self.aborts.append((request_id, reset_prefix_cache))
+            return {"aborted": True, "request_id": request_id}
+
+        def seen(self) -> list:
+            return self.aborts
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
+             runtime_env={"env_vars": {"OMP_NUM_THREADS": "1"}})
+    try:
+        actor = ray.remote(num_cpus=0)(Replica)
+        replicas = {k: actor.remote() for k in "abc"}
+        policy = tail.TailPolicy(rt=4, bs_max=3, longest_kv_tokens=8)
+        lb = get_router_handle(servers=replicas, load_balancer_cls=tail.balancer_cls(policy))
+
+        def call(method: str, **kw: Any) -> Any:
+            return ray.get(getattr(lb, method).remote(**kw), timeout=DEADLINE_S)
+
+        assert call("require_acquire_fields") == [tail.VLLM_ID_FIELD]
+        got = {f"q{k}": call("acquire_server", request_id=f"q{k}",
+                             **{tail.VLLM_ID_FIELD: f"v{k}"})[0] for k in range(4)}
+        doubled = next(s for s in "abc" if list(got.values()).count(s) == 2)
+        call("release_server", server_id=doubled,
+             request_id=next(r for r, s in got.items() if s == doubled))
+        status = call("get_status")["tail"]
+        [mig] = status["migrations"]
+        [(moved, (src, dst))] = mig["moves"].items()
+        assert status["rt"] == 4 and status["m"] == 2 and status["moving"] == {moved: dst}
+        vid = f"v{moved[1:]}"
+        deadline = time.monotonic() + DEADLINE_S
+        while not ray.get(replicas[src].seen.remote(), timeout=DEADLINE_S):
+            assert time.monotonic() < deadline, "the abort never reached the replica"
+            time.sleep(0.05)
+        assert ray.get(replicas[src].seen.remote(), timeout=DEADLINE_S) == [(vid, False)]
+        call("release_server", server_id=src, request_id=moved)  # the aborted call returns
+        while call("get_status")["tail"]["aborts_pending"]:  # settled through ray.wait
+            assert time.monotonic() < deadline, "the balancer never saw the abort's answer"
+            time.sleep(0.05)
+        sid, _ = call("acquire_server", request_id=moved, **{tail.VLLM_ID_FIELD: "again"})
+        assert sid == dst and call("get_status")["tail"]["moving"] == {}
+    finally:
+        ray.shutdown()
+
+
 def test_policy_from_verl_config():
     tail = _tail()
     from rlhf_fusion.integrations.verl.options import VerlPluginError, plugins_from_config

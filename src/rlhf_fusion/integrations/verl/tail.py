@@ -192,10 +192,14 @@ class TailConsolidatingLoadBalancer(GlobalRequestLoadBalancer):
 
     def tail_status(self) -> dict[str, Any]:
         """R_t, m, the keepers now, the requests decoding and awaiting resubmission, and every
-        migration so far (``migrations``: when, keepers, freed, moves)."""
+        migration so far (``migrations``: requests decoding then, keepers, freed, moves). Settles the aborts that
+        have answered first."""
+        if self.policy is not None and self.policy.rt > 0:
+            self._poll_aborts()
         return {"rt": self._rt(), "m": None if self.policy is None else self.policy.m,
                 "targets": self._targets, "running": len(self._running),
-                "moving": dict(self._moving), "migrations": list(self.migrations)}
+                "moving": dict(self._moving), "aborts_pending": len(self._aborts),
+                "migrations": list(self.migrations)}
 
     def _maybe_migrate(self) -> None:
         assert self.policy is not None
