@@ -35,6 +35,7 @@ from uuid import uuid4
 from verl.workers.rollout.llm_server import FullyAsyncLLMServerClient
 from verl.workers.rollout.router import DEFAULT_ROUTING_CACHE_SIZE, GlobalRequestLoadBalancer
 
+from ...errors import RLHFFusionError
 from ...rollout.planning import MovingSample, assign_migration, required_instances
 from .options import HYDRA_KEY, VerlPluginError
 
@@ -192,8 +193,8 @@ class TailConsolidatingLoadBalancer(GlobalRequestLoadBalancer):
 
     def tail_status(self) -> dict[str, Any]:
         """R_t, m, the keepers now, the requests decoding and awaiting resubmission, and every
-        migration so far (``migrations``: requests decoding then, keepers, freed, moves). Settles the aborts that
-        have answered first."""
+        migration so far (``migrations``: requests decoding then, keepers, freed, moves).
+        Settles the aborts that have answered first."""
         if self.policy is not None and self.policy.rt > 0:
             self._poll_aborts()
         return {"rt": self._rt(), "m": None if self.policy is None else self.policy.m,
@@ -216,8 +217,13 @@ class TailConsolidatingLoadBalancer(GlobalRequestLoadBalancer):
                 unfinished[index[sid]].append(MovingSample(
                     sample_id=k, kv_tokens=0,
                     reserved_tokens=math.ceil(self.policy.longest_kv_tokens)))
-        plan = assign_migration(unfinished, self.policy.m, bs_max=self.policy.bs_max,
-                                kv_capacity_tokens=self.policy.kv_capacity_tokens)
+        try:
+            plan = assign_migration(unfinished, self.policy.m, bs_max=self.policy.bs_max,
+                                    kv_capacity_tokens=self.policy.kv_capacity_tokens)
+        except RLHFFusionError as exc:  # KV capacity: this tail stays where it is
+            self._armed = False
+            LOG.warning(f"rlhf_fusion: tail not consolidated: {exc}")
+            return
         moves: dict[str, tuple[str, str]] = {}
         for src, per in plan.moves.items():
             for dst, ids in per.items():
@@ -241,7 +247,7 @@ class TailConsolidatingLoadBalancer(GlobalRequestLoadBalancer):
         self.migrations.append(record)
         LOG.warning(f"rlhf_fusion: {n} < R_t={self._rt()} requests decoding: tail kept on "
                     f"{len(self._targets)} replica(s), {len(moves)} request(s) moved, "
-                    f"{len(plan.freed)} replica(s) freed")
+                    f"{len(freed)} replica(s) freed")
 
     def _abort(self, server_id: str, vllm_id: str) -> Any:
         # the prefix cache holds nothing stale (same weights): keep it for the keepers' sake
