@@ -10,7 +10,9 @@ every process; it does nothing until a plugin is turned on:
 
 ``gae``: the blocked GAE in place of ``core_algos.compute_gae_advantage_return``
 (:mod:`.gae_plugin`). ``overlap``: trainer modes ``rlhf_fusion_sync`` / ``_colocate_async`` /
-``_separate_async`` whose step updates the Critic and Actor concurrently (:mod:`.overlap`).
+``_separate_async`` whose step updates the Critic and Actor concurrently (:mod:`.overlap`) and,
+with ``+rlhf_fusion.tail.rt=N``, consolidates the rollout's long tail on fewer replicas
+(:mod:`.tail`).
 Guide: ``docs/verl.md``. Importing this package imports neither torch, Ray nor verl.
 """
 

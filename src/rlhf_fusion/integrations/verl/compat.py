@@ -13,8 +13,8 @@ from typing import Any
 
 from .options import VerlPluginError
 
-__all__ = ["SUPPORTED_TEXT", "check_gae_seam", "check_overlap_seam", "check_version",
-           "installed_version"]
+__all__ = ["SUPPORTED_TEXT", "check_gae_seam", "check_overlap_seam", "check_tail_seam",
+           "check_version", "installed_version"]
 
 SUPPORTED = (">=0.9.1", "<0.10")
 SUPPORTED_TEXT = "verl>=0.9.1,<0.10"
@@ -88,3 +88,36 @@ def check_overlap_seam(trainer_base: Any, version: str) -> None:
     if "self.critic_wg.train_mini_batch(" not in update or ".get()" not in update:
         raise _moved(version, "PPOTrainer._update_critic no longer dispatches "
                               "critic_wg.train_mini_batch and waits on its future")
+
+
+def check_tail_seam(version: str) -> None:
+    """What tail consolidation relies on in verl's rollout routing: the balancer factory builds
+    a ``load_balancer_cls`` with ``servers`` and ``max_cache_size``; the client asks the
+    balancer which fields to forward, draws the vLLM id with ``_vllm_request_id`` after acquiring
+    a replica; the resuming client sends an aborted request again as prompt + generated tokens
+    with the remaining budget."""
+    import verl.workers.rollout.llm_server as llm_server
+    import verl.workers.rollout.router as router
+
+    checks = [
+        (router._create_global_sticky_inflight,
+         "kwargs = dict(servers=servers, max_cache_size=DEFAULT_ROUTING_CACHE_SIZE)",
+         "router._create_global_sticky_inflight no longer builds the balancer from servers and "
+         "max_cache_size"),
+        (llm_server.LLMServerClient._acquire_server, "self._lb_require_acquire_fields",
+         "LLMServerClient._acquire_server no longer forwards the balancer's acquire fields"),
+        (llm_server.LLMServerClient.generate, "request_id=self._vllm_request_id(request_id)",
+         "LLMServerClient.generate no longer draws the vLLM id with _vllm_request_id"),
+        (llm_server.FullyAsyncLLMServerClient.generate,
+         "prompt_ids=prompt_ids + final_output.token_ids",
+         "FullyAsyncLLMServerClient.generate no longer resubmits prompt + generated tokens"),
+        (llm_server.FullyAsyncLLMServerClient.generate,
+         "original_max_tokens - len(final_output.token_ids)",
+         "FullyAsyncLLMServerClient.generate no longer passes the remaining budget"),
+    ]
+    for fn, needle, what in checks:
+        if needle not in inspect.getsource(fn):
+            raise _moved(version, what)
+    src = inspect.getsource(llm_server.LLMServerClient.generate)
+    if src.find("self._acquire_server(") > src.find("self._vllm_request_id(request_id)"):
+        raise _moved(version, "LLMServerClient.generate draws the vLLM id before acquiring")

@@ -10,11 +10,13 @@ from typing import Any
 from ...errors import RLHFFusionError
 
 __all__ = ["ENV_VAR", "PLUGINS", "HYDRA_KEY", "VerlPluginError", "parse_plugins", "plugins_from_env",
-           "plugins_from_config"]
+           "plugins_from_config", "SETTINGS"]
 
 ENV_VAR = "RLHF_FUSION_VERL"
 HYDRA_KEY = "rlhf_fusion"  # +rlhf_fusion.gae=true on main_ppo's command line
 PLUGINS = ("gae", "overlap")
+# keys under rlhf_fusion that configure a trainer mode rather than turn a plugin on
+SETTINGS = ("critic_pool", "tail")
 _OFF = ("", "0", "none", "off", "false")
 
 
@@ -52,9 +54,9 @@ def plugins_from_config(config: Any) -> frozenset[str]:
     if section is None:
         return frozenset()
     keys: Iterable[str] = section.keys() if hasattr(section, "keys") else ()
-    unknown = sorted(set(keys) - set(PLUGINS))
+    unknown = sorted(set(keys) - set(PLUGINS) - set(SETTINGS))
     if unknown:
         raise VerlPluginError(
-            f"{HYDRA_KEY}.{unknown[0]} is not a plugin; the keys under {HYDRA_KEY} are "
-            f"{list(PLUGINS)} (true/false)")
+            f"{HYDRA_KEY}.{unknown[0]} is not a plugin or setting; the keys under {HYDRA_KEY} "
+            f"are {list(PLUGINS)} (true/false) and {list(SETTINGS)}")
     return frozenset(name for name in PLUGINS if bool(section.get(name, False)))

@@ -37,8 +37,10 @@ from verl.trainer.ppo.v1.trainer_separate_async import PPOTrainerSeparateAsync
 from verl.trainer.ppo.v1.trainer_sync import PPOTrainerSync
 
 from .options import HYDRA_KEY, plugins_from_config
+from .tail import TailConsolidationMixin
 
 __all__ = ["MODES", "OverlapUpdatesMixin", "register_modes"]
+# the modes also consolidate the rollout's long tail with +rlhf_fusion.tail.rt=N (.tail)
 
 LOG = logging.getLogger("rlhf_fusion.verl")
 CRITIC_POOL = "critic_pool"
@@ -191,15 +193,15 @@ class OverlapUpdatesMixin:
         return batch
 
 
-class PPOTrainerSyncOverlap(OverlapUpdatesMixin, PPOTrainerSync):
+class PPOTrainerSyncOverlap(TailConsolidationMixin, OverlapUpdatesMixin, PPOTrainerSync):
     """verl's ``sync`` mode, Critic and Actor updates overlapped."""
 
 
-class PPOTrainerColocateAsyncOverlap(OverlapUpdatesMixin, PPOTrainerColocateAsync):
+class PPOTrainerColocateAsyncOverlap(TailConsolidationMixin, OverlapUpdatesMixin, PPOTrainerColocateAsync):
     """verl's ``colocate_async`` mode, Critic and Actor updates overlapped."""
 
 
-class PPOTrainerSeparateAsyncOverlap(OverlapUpdatesMixin, PPOTrainerSeparateAsync):
+class PPOTrainerSeparateAsyncOverlap(TailConsolidationMixin, OverlapUpdatesMixin, PPOTrainerSeparateAsync):
     """verl's ``separate_async`` mode, Critic and Actor updates overlapped."""
 
 
