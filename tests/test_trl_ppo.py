@@ -360,3 +360,74 @@ def test_masked_mean_and_whiten_trl_exact_are_trls_own():
         trl_whiten(torch.ones(2, 3), empty)
     with pytest.raises(ValueError, match="empty mask"):
         whiten(torch.ones(2, 3), empty, trl_exact=True)
+
+
+def _lora():
+    peft = pytest.importorskip("peft")
+    # Random A and B (init_lora_weights=False): the adapter changes the policy from the start,
+    # so the adapter-free Ref differs from the policy and a wrong Ref changes the KL.
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                           target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+@needs_stock
+def test_peft_off_is_stock_bit_for_bit(tmp_path):
+    """peft_config with every plugin off: the same LoRA policy, Ref (the adapter-free policy),
+    parameters and logged metrics as trl 1.12's PPOTrainer, bit for bit."""
+    from trl.experimental.ppo import PPOTrainer
+
+    runs = {}
+    for name, cls, kw in (("stock", PPOTrainer, {}),
+                          ("ours", FusedPPOTrainer, {"fusion": FusionConfig.off()})):
+        tr = _trainer(cls, tmp_path / name, steps=2, peft_config=_lora(), **kw)
+        assert tr.ref_model is None and tr.is_peft_model
+        tr.train()
+        runs[name] = _params(tr), _logs(tr)
+    (p_stock, l_stock), (p_ours, l_ours) = runs["stock"], runs["ours"]
+    assert any("lora_A" in k for k in p_ours)
+    assert _max_diff(p_ours, p_stock) == 0.0
+    assert len(l_ours) == len(l_stock) == 2
+    for mine, stock in zip(l_ours, l_stock):
+        assert {k: v for k, v in stock.items() if k != "eps"} == {
+            k: mine[k] for k in stock if k != "eps"}
+    assert l_ours[0]["objective/kl"] != 0.0  # the Ref really is not the adapted policy
+
+
+def test_peft_streamed_ref_is_the_adapter_free_policy(tmp_path):
+    """peft_config with the plugins on: every query answered once, generation logprobs equal
+    the adapted policy's teacher-forced ones, Ref logprobs the adapter-free policy's; then
+    two iterations train only the adapter and the Critic."""
+    from rlhf_fusion.integrations.trl.rollout import lm_forward
+
+    tr = _trainer(FusedPPOTrainer, tmp_path, steps=2, peft_config=_lora(),
+                  fusion=FusionConfig(migrate=False))
+    queries = next(iter(tr.dataloader))["input_ids"]
+    net = tr.accelerator.unwrap_model(tr.model)
+    got = tr._streamed_rollout(queries, 1, net)
+    queries = left_pad(queries, 0)
+    assert torch.equal(got.query_responses[:, : queries.shape[1]], queries)
+    resp = got.responses
+    lengths = (resp != 0).cumprod(1).sum(1)
+    ctx = queries.shape[1]
+
+    def logprobs(model):
+        with torch.no_grad():
+            logits = lm_forward(model, got.query_responses, 0).logits[:, ctx - 1: -1]
+            logits = logits / (tr.args.temperature + 1e-7)
+            return torch.log_softmax(logits, -1).gather(2, resp[..., None])[..., 0]
+
+    pol = logprobs(net.policy)
+    with net.policy.disable_adapter():
+        ref = logprobs(net.policy)
+    gap = max((pol[i, :g] - ref[i, :g]).abs().max().item() for i, g in
+              enumerate(lengths.tolist()))
+    assert gap > 1e-2  # the adapter matters, so answering with the wrong model fails
+    for i, g in enumerate(lengths.tolist()):
+        torch.testing.assert_close(got.logprobs[i, :g], pol[i, :g], atol=1e-4, rtol=0)
+        torch.testing.assert_close(got.ref_logprobs[i, :g], ref[i, :g], atol=1e-5, rtol=0)
+    base = {k: v.clone() for k, v in _params(tr).items() if "lora_" not in k}
+    tr.train()
+    after = _params(tr)
+    assert all(torch.isfinite(v).all() for v in after.values())
+    for k, v in base.items():  # the base policy is frozen; the Critic trains
+        assert torch.equal(after[k], v) == k.startswith("policy."), k
