@@ -32,6 +32,7 @@ from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
     AutoTokenizer,
+    set_seed,
 )
 
 # The one changed import (was: from trl.experimental.ppo import PPOConfig, PPOTrainer).
@@ -62,6 +63,9 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(args.model, padding_side="left")
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    # Value heads missing from the checkpoint are initialised at random: seeded, so every
+    # process and every run starts from the same ones.
+    set_seed(0)
     policy = AutoModelForCausalLM.from_pretrained(args.model)
     ref_policy = None if args.lora_r else AutoModelForCausalLM.from_pretrained(args.model)
     reward_path = args.reward_model or args.model
@@ -101,7 +105,10 @@ def main() -> None:
     # The trained Actor and Critic, gathered whole under ZeRO-3 (a collective): a run with
     # --fusion off must print the same digest as --fusion stock.
     state = trainer.accelerator.get_state_dict(trainer.model)
-    trainer.save_model(args.output_dir)
+    if args.fusion != "stock" or not trainer.is_deepspeed_enabled:
+        # (trl 1.12's own save_model fails under DeepSpeed with transformers 5: it hands
+        # Trainer the policy as its DeepSpeed engine.)
+        trainer.save_model(args.output_dir)
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
     if trainer.accelerator.is_main_process:
         digest = hashlib.sha256()

@@ -354,7 +354,9 @@ class FusedPPOTrainer(_BaseTrainer):
         """The policy's weights, gathered whole under ZeRO-3 (every process calls this).
         trl 1.12's own ``save_model`` fails under DeepSpeed with transformers 5 (it hands
         Trainer the policy as ``self.deepspeed``, whose config has no ``get``)."""
-        state = self.accelerator.get_state_dict(self.model)
+        state = self.accelerator.get_state_dict(self.model)  # None off rank 0 under ZeRO-3
+        if not self.args.should_save:
+            return
         policy_state = {k[len("policy."):]: v for k, v in state.items()
                         if k.startswith("policy.")}
         backup = self.model
