@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import warnings
 
@@ -191,6 +192,10 @@ def test_unsupported_settings_fail_with_the_fix(tmp_path):
         FusionConfig.off().with_(gea=True)
     with pytest.raises(FusionConfigError, match="pipeline_stages"):
         _trainer(FusedPPOTrainer, tmp_path, fusion=FusionConfig(pipeline_stages=2))
+    if importlib.util.find_spec("peft") is not None:
+        with pytest.raises(FusionConfigError, match="cannot cut a PEFT model"):
+            _trainer(FusedPPOTrainer, tmp_path, peft_config=_lora(),
+                     fusion=FusionConfig(pipeline_stages=2))
 
 
 @needs_stock
@@ -225,10 +230,10 @@ def test_example_runs_on_a_local_model_dir(tmp_path):
     example = Path(__file__).resolve().parents[1] / "examples" / "trl_ppo.py"
     out = subprocess.run(
         [sys.executable, str(example), "--model", model, "--output-dir", str(tmp_path / "run"),
-         "--episodes", "16", "--response-length", "16"],
+         "--episodes", "16", "--response-length", "16", "--cpu"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "done: objective/scores" in out.stdout
+    assert "done: 2 iterations, episode 16, objective/scores" in out.stdout
     assert (tmp_path / "run" / "model.safetensors").exists()
 
 
