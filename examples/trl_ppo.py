@@ -105,9 +105,10 @@ def main() -> None:
     # The trained Actor and Critic, gathered whole under ZeRO-3 (a collective): a run with
     # --fusion off must print the same digest as --fusion stock.
     state = trainer.accelerator.get_state_dict(trainer.model)
-    if args.fusion != "stock" or not trainer.is_deepspeed_enabled:
-        # (trl 1.12's own save_model fails under DeepSpeed with transformers 5: it hands
-        # Trainer the policy as its DeepSpeed engine.)
+    if args.fusion != "stock" or trainer.accelerator.num_processes == 1:
+        # (trl 1.12's own save_model fails with several processes: under DDP it saves the
+        # DDP wrapper, whose shared tensors safetensors refuses; under DeepSpeed with
+        # transformers 5 it hands Trainer the policy as its DeepSpeed engine.)
         trainer.save_model(args.output_dir)
     logs = [h for h in trainer.state.log_history if "objective/scores" in h]
     if trainer.accelerator.is_main_process:

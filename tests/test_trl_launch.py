@@ -139,7 +139,10 @@ PPO_MATRIX = [(c, lora) for c in CONFIG_NAMES for lora in ("0", "4")]
 def test_ppo_launch_off_equals_stock(config, lora, model_dir, tmp_path):
     """``FusionConfig.off()`` against trl 1.12's PPOTrainer under each config, with and
     without a LoRA adapter: the same SHA-256 of the trained Actor and Critic (gathered whole),
-    bit for bit."""
+    bit for bit. Not with PEFT under DDP: trl 1.12's PPOTrainer fails there itself (its Ref
+    pass reads ``model.policy`` from the DDP wrapper: AttributeError)."""
+    if (config, lora) == ("ddp", "4"):
+        pytest.skip("trl 1.12's PPOTrainer fails with peft_config under DDP")
     off = ppo_example(config, model_dir, tmp_path / "off", "--fusion", "off", "--lora-r", lora)
     stock = ppo_example(config, model_dir, tmp_path / "stock", "--fusion", "stock",
                         "--lora-r", lora)

@@ -340,11 +340,14 @@ class FusedPPOTrainer(_BaseTrainer):
         # Only the policy is saved for inference, as TRL does (whole, also when pipelined).
         if self.is_deepspeed_enabled:
             return self._save_deepspeed(output_dir)
+        if not self.args.should_save and not self.is_fsdp_enabled:
+            return  # whole weights on the writer: nothing to gather (FSDP gathers, collectively)
         backup = self.model
         if self._pipeline is not None:
             self.model = self._pipeline.whole["actor"]
-        elif hasattr(self.model, "policy"):
-            self.model = self.model.policy
+        elif hasattr(self.accelerator.unwrap_model(self.model), "policy"):
+            # Under DDP self.model is the wrapper's wrapper (trl 1.12 saves all of it there).
+            self.model = self.accelerator.unwrap_model(self.model).policy
         try:
             super().save_model(output_dir, _internal_call)
         finally:
