@@ -163,24 +163,44 @@ def _two_process_run(rank: int, world: int, out_dir: str, migrate: bool):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), ACCELERATE_USE_CPU="true")
     fusion = FusionConfig(migrate=migrate, rt=0.9, mechanism="tokens")
+    if migrate:
+        # R_t scripted per rollout, 0 every other one: R_t = 0 must be a rollout without
+        # migration (rt="auto" reaches it when the planner predicts no gain), and the next
+        # rollout migrates again.
+        from rlhf_fusion.integrations.trl import migration
+
+        fixed = migration.RtChooser.rt
+        calls = []
+
+        def scripted(self, batch):
+            calls.append(batch)
+            return 0 if len(calls) % 2 == 0 else fixed(self, batch)
+
+        migration.RtChooser.rt = scripted
     # One sample per scoring forward: a sample's scores then do not depend on which samples
     # finished beside it (float32 matmuls differ in the last bits with the batch shape), so
     # the runs with and without migration may agree to 1e-6.
-    tr = _trainer(FusedPPOTrainer, pathlib.Path(out_dir) / f"{migrate}", steps=4, fusion=fusion,
+    tr = _trainer(FusedPPOTrainer, pathlib.Path(out_dir) / f"{migrate}", steps=6, fusion=fusion,
                   config={"local_rollout_forward_batch_size": 1})
     tr.train()
     logs = _logs(tr)
-    return _params(tr), [h.get("fusion/migrated", 0) for h in logs]
+    return _params(tr), [(h.get("fusion/rt"), h.get("fusion/migrated", 0)) for h in logs]
 
 
 def test_migration_across_two_processes_changes_nothing(tmp_path):
+    """Two processes migrating the long tail at R_t = 90% of the batch, and at R_t = 0 (no
+    migration) every other rollout, end with the parameters of two processes without
+    migration (1e-6)."""
     from rlhf_fusion.launch import run_ranks
 
     moved = run_ranks(_two_process_run, 2, str(tmp_path), True, timeout=240)
     still = run_ranks(_two_process_run, 2, str(tmp_path), False, timeout=240)
     for a, b in zip(moved, still):
         assert _max_diff(a.value[0], b.value[0]) <= 1e-6
-    assert sum(moved[0].value[1]) > 0  # samples really moved
+    rts = [rt for rt, _ in moved[0].value[1]]
+    assert rts == [14, 0, 14]  # 90% of 16 samples, none, then 90% again
+    migrated = [n for _, n in moved[0].value[1]]
+    assert migrated[1] == 0 and migrated[0] + migrated[2] > 0
 
 
 def test_unsupported_settings_fail_with_the_fix(tmp_path):
