@@ -7,6 +7,15 @@ and 3 (DeepSpeed's CPU accelerator).
 - ``test_grpo_launch_off_equals_stock``: with ``FusionConfig.off()`` the trained weights
   (gathered whole) have the same SHA-256 as TRL's own ``GRPOTrainer`` under the same config:
   bit for bit.
+- PPO (``examples/trl_ppo.py``, ``tests/_ppo_launch_check.py``): the fused trainer runs under
+  DDP (default selection); under ZeRO-3 every streamed rollout is checked (every sample once,
+  generation logprobs equal the sharded policy's teacher-forced ones, the generation copy
+  whole and equal to that iteration's gathered weights; default selection); the same checks
+  under DDP, ZeRO-1 and ZeRO-2, with and without a LoRA adapter, and ``FusionConfig.off()``
+  against trl 1.12's ``PPOTrainer`` (weights digest) under every config, are ``slow``.
+
+``ddp_cpu.yaml`` says ``MULTI_GPU`` with ``use_cpu``: accelerate 1.15 launches a single
+process for ``MULTI_CPU`` (the PPO tests assert 2 processes through the episode count).
 
 One launch takes 30 s on an idle 2-core machine and several minutes on a loaded one, so only
 the DDP run of the fused trainer is in the default selection; the rest of the matrix is
