@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import warnings
 
@@ -162,24 +163,44 @@ def _two_process_run(rank: int, world: int, out_dir: str, migrate: bool):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world), ACCELERATE_USE_CPU="true")
     fusion = FusionConfig(migrate=migrate, rt=0.9, mechanism="tokens")
+    if migrate:
+        # R_t scripted per rollout, 0 every other one: R_t = 0 must be a rollout without
+        # migration (rt="auto" reaches it when the planner predicts no gain), and the next
+        # rollout migrates again.
+        from rlhf_fusion.integrations.trl import migration
+
+        fixed = migration.RtChooser.rt
+        calls = []
+
+        def scripted(self, batch):
+            calls.append(batch)
+            return 0 if len(calls) % 2 == 0 else fixed(self, batch)
+
+        migration.RtChooser.rt = scripted
     # One sample per scoring forward: a sample's scores then do not depend on which samples
     # finished beside it (float32 matmuls differ in the last bits with the batch shape), so
     # the runs with and without migration may agree to 1e-6.
-    tr = _trainer(FusedPPOTrainer, pathlib.Path(out_dir) / f"{migrate}", steps=4, fusion=fusion,
+    tr = _trainer(FusedPPOTrainer, pathlib.Path(out_dir) / f"{migrate}", steps=6, fusion=fusion,
                   config={"local_rollout_forward_batch_size": 1})
     tr.train()
     logs = _logs(tr)
-    return _params(tr), [h.get("fusion/migrated", 0) for h in logs]
+    return _params(tr), [(h.get("fusion/rt"), h.get("fusion/migrated", 0)) for h in logs]
 
 
 def test_migration_across_two_processes_changes_nothing(tmp_path):
+    """Two processes migrating the long tail at R_t = 90% of the batch, and at R_t = 0 (no
+    migration) every other rollout, end with the parameters of two processes without
+    migration (1e-6)."""
     from rlhf_fusion.launch import run_ranks
 
     moved = run_ranks(_two_process_run, 2, str(tmp_path), True, timeout=240)
     still = run_ranks(_two_process_run, 2, str(tmp_path), False, timeout=240)
     for a, b in zip(moved, still):
         assert _max_diff(a.value[0], b.value[0]) <= 1e-6
-    assert sum(moved[0].value[1]) > 0  # samples really moved
+    rts = [rt for rt, _ in moved[0].value[1]]
+    assert rts == [14, 0, 14]  # 90% of 16 samples, none, then 90% again
+    migrated = [n for _, n in moved[0].value[1]]
+    assert migrated[1] == 0 and migrated[0] + migrated[2] > 0
 
 
 def test_unsupported_settings_fail_with_the_fix(tmp_path):
@@ -191,6 +212,10 @@ def test_unsupported_settings_fail_with_the_fix(tmp_path):
         FusionConfig.off().with_(gea=True)
     with pytest.raises(FusionConfigError, match="pipeline_stages"):
         _trainer(FusedPPOTrainer, tmp_path, fusion=FusionConfig(pipeline_stages=2))
+    if importlib.util.find_spec("peft") is not None:
+        with pytest.raises(FusionConfigError, match="cannot cut a PEFT model"):
+            _trainer(FusedPPOTrainer, tmp_path, peft_config=_lora(),
+                     fusion=FusionConfig(pipeline_stages=2))
 
 
 @needs_stock
@@ -225,10 +250,10 @@ def test_example_runs_on_a_local_model_dir(tmp_path):
     example = Path(__file__).resolve().parents[1] / "examples" / "trl_ppo.py"
     out = subprocess.run(
         [sys.executable, str(example), "--model", model, "--output-dir", str(tmp_path / "run"),
-         "--episodes", "16", "--response-length", "16"],
+         "--episodes", "16", "--response-length", "16", "--cpu"],
         capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "done: objective/scores" in out.stdout
+    assert "done: 2 iterations, episode 16, objective/scores" in out.stdout
     assert (tmp_path / "run" / "model.safetensors").exists()
 
 
@@ -360,3 +385,74 @@ def test_masked_mean_and_whiten_trl_exact_are_trls_own():
         trl_whiten(torch.ones(2, 3), empty)
     with pytest.raises(ValueError, match="empty mask"):
         whiten(torch.ones(2, 3), empty, trl_exact=True)
+
+
+def _lora():
+    peft = pytest.importorskip("peft")
+    # Random A and B (init_lora_weights=False): the adapter changes the policy from the start,
+    # so the adapter-free Ref differs from the policy and a wrong Ref changes the KL.
+    return peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, init_lora_weights=False,
+                           target_modules=["q_proj", "v_proj"], task_type="CAUSAL_LM")
+
+
+@needs_stock
+def test_peft_off_is_stock_bit_for_bit(tmp_path):
+    """peft_config with every plugin off: the same LoRA policy, Ref (the adapter-free policy),
+    parameters and logged metrics as trl 1.12's PPOTrainer, bit for bit."""
+    from trl.experimental.ppo import PPOTrainer
+
+    runs = {}
+    for name, cls, kw in (("stock", PPOTrainer, {}),
+                          ("ours", FusedPPOTrainer, {"fusion": FusionConfig.off()})):
+        tr = _trainer(cls, tmp_path / name, steps=2, peft_config=_lora(), **kw)
+        assert tr.ref_model is None and tr.is_peft_model
+        tr.train()
+        runs[name] = _params(tr), _logs(tr)
+    (p_stock, l_stock), (p_ours, l_ours) = runs["stock"], runs["ours"]
+    assert any("lora_A" in k for k in p_ours)
+    assert _max_diff(p_ours, p_stock) == 0.0
+    assert len(l_ours) == len(l_stock) == 2
+    for mine, stock in zip(l_ours, l_stock):
+        assert {k: v for k, v in stock.items() if k != "eps"} == {
+            k: mine[k] for k in stock if k != "eps"}
+    assert l_ours[0]["objective/kl"] != 0.0  # the Ref really is not the adapted policy
+
+
+def test_peft_streamed_ref_is_the_adapter_free_policy(tmp_path):
+    """peft_config with the plugins on: every query answered once, generation logprobs equal
+    the adapted policy's teacher-forced ones, Ref logprobs the adapter-free policy's; then
+    two iterations train only the adapter and the Critic."""
+    from rlhf_fusion.integrations.trl.rollout import lm_forward
+
+    tr = _trainer(FusedPPOTrainer, tmp_path, steps=2, peft_config=_lora(),
+                  fusion=FusionConfig(migrate=False))
+    queries = next(iter(tr.dataloader))["input_ids"]
+    net = tr.accelerator.unwrap_model(tr.model)
+    got = tr._streamed_rollout(queries, 1, net)
+    queries = left_pad(queries, 0)
+    assert torch.equal(got.query_responses[:, : queries.shape[1]], queries)
+    resp = got.responses
+    lengths = (resp != 0).cumprod(1).sum(1)
+    ctx = queries.shape[1]
+
+    def logprobs(model):
+        with torch.no_grad():
+            logits = lm_forward(model, got.query_responses, 0).logits[:, ctx - 1: -1]
+            logits = logits / (tr.args.temperature + 1e-7)
+            return torch.log_softmax(logits, -1).gather(2, resp[..., None])[..., 0]
+
+    pol = logprobs(net.policy)
+    with net.policy.disable_adapter():
+        ref = logprobs(net.policy)
+    gap = max((pol[i, :g] - ref[i, :g]).abs().max().item() for i, g in
+              enumerate(lengths.tolist()))
+    assert gap > 1e-2  # the adapter matters, so answering with the wrong model fails
+    for i, g in enumerate(lengths.tolist()):
+        torch.testing.assert_close(got.logprobs[i, :g], pol[i, :g], atol=1e-4, rtol=0)
+        torch.testing.assert_close(got.ref_logprobs[i, :g], ref[i, :g], atol=1e-5, rtol=0)
+    base = {k: v.clone() for k, v in _params(tr).items() if "lora_" not in k}
+    tr.train()
+    after = _params(tr)
+    assert all(torch.isfinite(v).all() for v in after.values())
+    for k, v in base.items():  # the base policy is frozen; the Critic trains
+        assert torch.equal(after[k], v) == k.startswith("policy."), k

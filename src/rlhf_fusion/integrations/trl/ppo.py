@@ -39,7 +39,7 @@ from .experience import (
     policy_terms,
     value_terms,
 )
-from .fusion import FusionConfig, generation_backend
+from .fusion import FusionConfig, FusionConfigError, generation_backend
 from .ppo_config import PPOConfig
 from .rollout import (
     PPORollout,
@@ -50,6 +50,7 @@ from .rollout import (
     padded_rollout,
     sample_specs,
 )
+from .sharded import full_state_dict, peft_plain_copy, plain_copy, sharding
 
 try:
     from trl.trainer.base_trainer import _BaseTrainer
@@ -58,7 +59,7 @@ except ImportError as e:  # pragma: no cover - the [trl] extra is missing
         "rlhf_fusion.integrations.trl needs TRL 1.12-1.16: pip install 'rlhf-fusion[trl]'"
     ) from e
 
-__all__ = ["FusedPPOTrainer", "PolicyAndValueWrapper"]
+__all__ = ["AdapterFreeRef", "FusedPPOTrainer", "PolicyAndValueWrapper"]
 
 
 class PolicyAndValueWrapper(nn.Module):
@@ -83,6 +84,61 @@ class PolicyAndValueWrapper(nn.Module):
     def forward(self, **kwargs: Any) -> tuple[Any, torch.Tensor]:
         output = self.critic_backbone(**kwargs)
         return self.policy(**kwargs), self.value_model.score(output.hidden_states[-1])
+
+
+def _with_adapter(policy: nn.Module, peft_config: Any, args: PPOConfig) -> nn.Module:
+    """``policy`` wrapped in a new PEFT adapter, checked as trl 1.12's ``PPOTrainer`` does."""
+    try:
+        from peft import PeftConfig, PeftModel, get_peft_model
+    except ImportError as e:
+        raise ImportError("You passed `peft_config` but the `peft` library is not installed: "
+                          "pip install peft") from e
+    if not isinstance(peft_config, PeftConfig):
+        raise TypeError("`peft_config` must be a `peft.PeftConfig` instance (e.g. "
+                        f"`peft.LoraConfig`), got {type(peft_config).__name__}.")
+    if isinstance(policy, PeftModel):
+        raise ValueError("You passed a `PeftModel` together with a `peft_config`: merge and "
+                         "unload the existing adapter first, then pass the base model with the "
+                         "new `peft_config`.")
+    policy = get_peft_model(policy, peft_config)
+    if args.bf16 and getattr(policy, "is_loaded_in_4bit", False):
+        from trl.experimental.utils import peft_module_casting_to_bf16
+
+        peft_module_casting_to_bf16(policy)
+    return policy
+
+
+def _is_peft(model: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:
+        return False
+    return isinstance(model, PeftModel)
+
+
+class AdapterFreeRef:
+    """TRL's Ref under PEFT without a ``ref_model``: the live policy run with its adapter
+    disabled (or with ``ref_adapter_name`` active), as trl 1.12's ``null_ref_context``. Called
+    like a model; every call sees the policy's current base weights."""
+
+    def __init__(self, policy: nn.Module, ref_adapter: str | None,
+                 model_adapter: str | None) -> None:
+        self.policy = policy
+        self.ref_adapter = ref_adapter
+        self.model_adapter = model_adapter
+
+    def __call__(self, **kwargs: Any) -> Any:
+        if not self.ref_adapter:
+            with self.policy.disable_adapter():
+                return self.policy(**kwargs)
+        self.policy.set_adapter(self.ref_adapter)
+        try:
+            return self.policy(**kwargs)
+        finally:
+            self.policy.set_adapter(self.model_adapter or "default")
+
+    def parameters(self) -> Any:
+        return self.policy.parameters()
 
 
 def _exact_div(a: int, b: int, what: str) -> int:
@@ -133,11 +189,11 @@ class FusedPPOTrainer(_BaseTrainer):
         if ref_model is model:
             raise ValueError("`model` and `ref_model` cannot be the same object; pass a copy, "
                              "or None for a frozen copy of `model`")
-        if peft_config is not None:
-            raise NotImplementedError(
-                "FusedPPOTrainer does not take peft_config yet: merge the adapter into the "
-                "model first, or use FusionConfig.off() with trl 1.12's own PPOTrainer")
         self.fusion = fusion if fusion is not None else FusionConfig()
+        if peft_config is not None and self.fusion.pipeline_stages > 1:
+            raise FusionConfigError(
+                "FusionConfig(pipeline_stages>1) cuts the policy into stages and cannot cut a "
+                "PEFT model: pass peft_config with pipeline_stages=1, or merge the adapter first")
         self.args = args
         self.processing_class = processing_class
         self.policy_model = model
@@ -154,8 +210,14 @@ class FusedPPOTrainer(_BaseTrainer):
         if args.kl_estimator not in {"k1", "k3"}:
             raise ValueError("kl_estimator must be either 'k1' or 'k3'")
 
-        self.is_peft_model = False
-        self.ref_model = ref_model if ref_model else create_reference_model(self.policy_model)
+        if peft_config is not None:
+            self.policy_model = _with_adapter(self.policy_model, peft_config, args)
+        self.is_peft_model = _is_peft(self.policy_model)
+        self.model_adapter_name = args.model_adapter_name
+        self.ref_adapter_name = args.ref_adapter_name
+        # As TRL: under PEFT without a ref_model the Ref is the policy with its adapter off.
+        self.ref_model = (ref_model if ref_model else None if self.is_peft_model
+                          else create_reference_model(self.policy_model))
         self.reward_model = reward_model
         self.train_dataset = train_dataset
         self.train_dataset_len = len(train_dataset)
@@ -189,11 +251,17 @@ class FusedPPOTrainer(_BaseTrainer):
         self.local_dataloader_batch_size = args.local_batch_size
 
         for module in (self.policy_model, self.ref_model, self.value_model, self.reward_model):
-            disable_dropout_in_model(module)
+            if module is not None:
+                disable_dropout_in_model(module)
         self.model = PolicyAndValueWrapper(self.policy_model, self.value_model)
         self.model.config = self.policy_model.config
         self._pipeline: Any = None
         self._micro_steps = 0
+        if self.fusion.pipeline_stages > 1 and getattr(accelerator.state, "deepspeed_plugin",
+                                                       None) is not None:
+            raise FusionConfigError(
+                "FusionConfig(pipeline_stages>1) trains its own stages and cannot run inside "
+                "DeepSpeed: use pipeline_stages=1 under a DeepSpeed config")
         if self.fusion.pipeline_stages > 1:
             from .pipeline import PipelinedPPO
 
@@ -245,10 +313,18 @@ class FusedPPOTrainer(_BaseTrainer):
             self.eval_dataloader = accelerator.prepare(DataLoader(
                 eval_dataset, batch_size=args.per_device_eval_batch_size,
                 collate_fn=data_collator, drop_last=True))
+        # Ref and Reward as TRL places them: DeepSpeed inference engines (sharded too under
+        # ZeRO-3, stage 0 otherwise), else moved to the device.
         if self.is_deepspeed_enabled:
-            raise NotImplementedError("FusedPPOTrainer does not support DeepSpeed yet")
-        self.ref_model = self.ref_model.to(accelerator.device)
-        self.reward_model = self.reward_model.to(accelerator.device)
+            from trl.models.utils import prepare_deepspeed
+
+            self.reward_model = prepare_deepspeed(self.reward_model, accelerator)
+            if self.ref_model is not None:
+                self.ref_model = prepare_deepspeed(self.ref_model, accelerator)
+        else:
+            if self.ref_model is not None:
+                self.ref_model = self.ref_model.to(accelerator.device)
+            self.reward_model = self.reward_model.to(accelerator.device)
         self._backend: Any = None
         self._rt_chooser: Any = None
         self._sync_s = 0.0
@@ -262,13 +338,34 @@ class FusedPPOTrainer(_BaseTrainer):
 
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         # Only the policy is saved for inference, as TRL does (whole, also when pipelined).
+        if self.is_deepspeed_enabled:
+            return self._save_deepspeed(output_dir)
+        if not self.args.should_save and not self.is_fsdp_enabled:
+            return  # whole weights on the writer: nothing to gather (FSDP gathers, collectively)
         backup = self.model
         if self._pipeline is not None:
             self.model = self._pipeline.whole["actor"]
-        elif hasattr(self.model, "policy"):
-            self.model = self.model.policy
+        elif hasattr(self.accelerator.unwrap_model(self.model), "policy"):
+            # Under DDP self.model is the wrapper's wrapper (trl 1.12 saves all of it there).
+            self.model = self.accelerator.unwrap_model(self.model).policy
         try:
             super().save_model(output_dir, _internal_call)
+        finally:
+            self.model = backup
+
+    def _save_deepspeed(self, output_dir: str | None) -> None:
+        """The policy's weights, gathered whole under ZeRO-3 (every process calls this).
+        trl 1.12's own ``save_model`` fails under DeepSpeed with transformers 5 (it hands
+        Trainer the policy as ``self.deepspeed``, whose config has no ``get``)."""
+        state = self.accelerator.get_state_dict(self.model)  # None off rank 0 under ZeRO-3
+        if not self.args.should_save:
+            return
+        policy_state = {k[len("policy."):]: v for k, v in state.items()
+                        if k.startswith("policy.")}
+        backup = self.model
+        self.model = self.accelerator.unwrap_model(self.model).policy
+        try:
+            self._save(output_dir, state_dict=policy_state)
         finally:
             self.model = backup
 
@@ -295,6 +392,9 @@ class FusedPPOTrainer(_BaseTrainer):
                 setattr(self.state, name, math.ceil(self.state.max_steps * value)
                         if value < 1 else value)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if self.is_deepspeed_enabled:  # what Trainer's checkpointing reads, as TRL sets it
+            self.deepspeed = self.model
+            self.model_wrapped = self.model
 
         def batches() -> Any:
             while True:
@@ -336,7 +436,7 @@ class FusedPPOTrainer(_BaseTrainer):
         unwrapped = self._whole_models()
         if not self.fusion.stream and self._pipeline is not None:
             return padded_rollout(
-                policy=unwrapped.policy, ref=self.ref_model, critic=unwrapped.value_model,
+                policy=unwrapped.policy, ref=self._ref(unwrapped), critic=unwrapped.value_model,
                 reward=self.reward_model, queries=queries,
                 generation_config=GenerationConfig(**self._generation_kwargs),
                 chunk=args.local_rollout_forward_batch_size, pad_id=pad_id,
@@ -347,7 +447,7 @@ class FusedPPOTrainer(_BaseTrainer):
                     gather_deepspeed3_params=args.ds3_gather_for_generation,
                     generation_kwargs=self._generation_kwargs) as gen_model:
                 return padded_rollout(
-                    policy=gen_model.policy, ref=self.ref_model,
+                    policy=gen_model.policy, ref=self._ref(unwrapped),
                     critic=unwrapped.value_model, reward=self.reward_model,
                     queries=queries, generation_config=GenerationConfig(**self._generation_kwargs),
                     chunk=args.local_rollout_forward_batch_size, pad_id=pad_id,
@@ -364,15 +464,37 @@ class FusedPPOTrainer(_BaseTrainer):
         return SimpleNamespace(policy=self._pipeline.whole["actor"],
                                value_model=self._pipeline.whole["critic"])
 
+    def _ref(self, unwrapped: Any) -> Any:
+        """The Ref pass's model: ``ref_model``, or under PEFT the adapter-free policy."""
+        if self.ref_model is not None:
+            return self.ref_model
+        return AdapterFreeRef(unwrapped.policy, self.ref_adapter_name, self.model_adapter_name)
+
+    def _sharded(self) -> bool:
+        """Whether the Actor/Critic are sharded (ZeRO-3): every forward of theirs (and of the
+        Ref and Reward, sharded alike) is then a collective, so every process must run the
+        same forwards in step."""
+        return sharding(self.accelerator.unwrap_model(self.model)) is not None
+
     def _generation_backend(self, policy: nn.Module) -> Any:
         """The generation instance of this process, built once; the training copy's weights
-        are pushed into it before every rollout."""
-        if self._backend is None:
-            self._backend = generation_backend(
-                policy, self.fusion, seed=self.args.seed,
-                instance_id=self.accelerator.process_index, device=self.accelerator.device)
+        are pushed into it before every rollout, so it follows every optimizer step. Under
+        ZeRO-3 the weights are gathered whole first (collective) and the copy is built from
+        them (a copy of the partitioned module would hold empty parameters)."""
         with torch.no_grad():
-            self._backend.update_weights(policy.state_dict())
+            state = full_state_dict(policy)
+            if self._backend is None:
+                source = policy
+                if sharding(policy):
+                    # A fresh model's initialisation draws from torch's generator: keep the
+                    # training's random stream where it was.
+                    with torch.random.fork_rng(devices=[]):
+                        source = (peft_plain_copy(policy, state) if _is_peft(policy)
+                                  else plain_copy(policy, state))
+                self._backend = generation_backend(
+                    source, self.fusion, seed=self.args.seed,
+                    instance_id=self.accelerator.process_index, device=self.accelerator.device)
+            self._backend.update_weights(state)
         return self._backend
 
     @torch.no_grad()
@@ -405,17 +527,19 @@ class FusedPPOTrainer(_BaseTrainer):
             specs = sample_specs(queries, ids=my_ids, seed=self._sampling_seed(rank, update),
                                  **gen)
             query_rows = {sid: queries[j].cpu() for j, sid in enumerate(my_ids)}
-        scorer = RowScorer(ref=self.ref_model, critic=unwrapped.value_model,
+        scorer = RowScorer(ref=self._ref(unwrapped), critic=unwrapped.value_model,
                            reward=self.reward_model, query_rows=query_rows, pad_id=pad_id,
                            fill_id=fill_id, stop_id=self.stop_token_id,
                            temperature=args.temperature,
                            micro_batch=max(1, min(8, args.local_rollout_forward_batch_size)))
         stats: dict[str, Any] = {"time/weight_sync": t_sync}
+        sharded = self._sharded()
         if world > 1 and self.fusion.migrate:
-            scored = self._migrating_rollout(backend, scorer, specs, stats)
+            scored = self._migrating_rollout(backend, scorer, specs, stats, sharded)
         else:
             scored = self._local_stream(backend, scorer, specs if world == 1 else
-                                        [s for s in specs if s.sample_id in set(my_ids)])
+                                        [s for s in specs if s.sample_id in set(my_ids)],
+                                        stream=not sharded)
         mine = {s.sample_id: s for s in scored}
         ordered = [mine[i] for i in my_ids]
         qr, lp, ref, val, scores = assemble(queries, ordered, fill_id=fill_id, pad_id=pad_id,
@@ -432,27 +556,33 @@ class FusedPPOTrainer(_BaseTrainer):
         samples end up decoding."""
         return (self.args.seed + process * 100003) * 1_000_003 + update
 
-    def _local_stream(self, backend: Any, scorer: RowScorer, specs: list[Any]) -> list[Any]:
-        """Decode, and score each micro-batch of finished samples between decode steps."""
+    def _local_stream(self, backend: Any, scorer: RowScorer, specs: list[Any],
+                      stream: bool = True) -> list[Any]:
+        """Decode, and score each micro-batch of finished samples between decode steps (or,
+        ``stream=False``, all of them after decoding: the same micro-batches on every process
+        when the scoring forwards are collectives)."""
         backend.submit(specs)
         done: list[Any] = []
         scored: list[Any] = []
         while backend.unfinished():
             done.extend(backend.step())
-            if len(done) >= scorer.micro_batch:
+            if stream and len(done) >= scorer.micro_batch:
                 scored.extend(scorer.score(done))
                 done = []
         scored.extend(scorer.score(done))
         return scored
 
     def _migrating_rollout(self, backend: Any, scorer: RowScorer, specs: list[Any],
-                           stats: dict[str, Any]) -> list[Any]:
+                           stats: dict[str, Any], sharded: bool = False) -> list[Any]:
         from .migration import RtChooser, migrating_rollout
 
         if self._rt_chooser is None:
             self._rt_chooser = RtChooser(self.fusion.rt, self.fusion.max_batch_size,
                                          self.accelerator.num_processes)
-        out, rt = migrating_rollout(self._rt_chooser, backend, scorer, specs, self.fusion)
+        # Sharded scoring forwards are collectives: no migration (R_t = 0), so every process
+        # scores its own samples after generation, the same micro-batches in step.
+        out, rt = migrating_rollout(self._rt_chooser, backend, scorer, specs, self.fusion,
+                                    rt=0 if sharded else None)
         stats["fusion/rt"] = rt
         stats["fusion/migrated"] = len(out.assignment.moved_ids) if out.assignment else 0
         return list(out.experiences or [])

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["full_state_dict", "plain_copy", "sharding"]
+__all__ = ["full_state_dict", "peft_plain_copy", "plain_copy", "sharding"]
 
 
 def sharding(model: Any) -> str | None:
@@ -89,5 +89,24 @@ def plain_copy(model: Any, state: dict[str, torch.Tensor]) -> Any:
             "ZeRO-0/1/2 or DDP, or pass fusion=FusionConfig(stream=False, migrate=False)")
     with _without_zero3_init():
         clone = build(config)
+    clone.load_state_dict(state, strict=True)
+    return clone.eval()
+
+
+def peft_plain_copy(model: Any, state: dict[str, torch.Tensor]) -> Any:
+    """:func:`plain_copy` of a PEFT model (``FusedPPOTrainer`` with ``peft_config`` under
+    ZeRO-3): its base model rebuilt whole from the config, the same adapters on top, then
+    ``state`` (the PEFT model's full weights, adapters included) loaded into it."""
+    from peft import get_peft_model
+
+    base = model.get_base_model()
+    cls = _unsharded_class(base)
+    with _without_zero3_init():
+        clone_base = cls._from_config(base.config)
+    names = list(model.peft_config)
+    clone = get_peft_model(clone_base, model.peft_config[names[0]], adapter_name=names[0])
+    for name in names[1:]:
+        clone.add_adapter(name, model.peft_config[name])
+    clone.set_adapter(model.active_adapter)
     clone.load_state_dict(state, strict=True)
     return clone.eval()
