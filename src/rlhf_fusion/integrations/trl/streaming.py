@@ -39,7 +39,7 @@ from typing_extensions import override
 from ...rollout.sampling import derive_seed
 from ...rollout.types import SampleResult, SampleSpec
 from .compat import check_trl_seams, logps_options, uses_fused_lm_head
-from .fusion import FusionConfig, FusionConfigError, generation_backend
+from .fusion import FusionConfig, FusionConfigError, generation_backend, vllm_fallback
 from .packing import Packed, attention_mask_for, completion_targets, pack
 from .scoring import StreamBatch, StreamScorer, stock_module
 from .sharded import full_state_dict, plain_copy, sharding
@@ -96,6 +96,12 @@ class FusedRolloutMixin:
         self._fusion_backend: Any = None  # ReferenceBackend or VLLMBackend
         self._fusion_round = 0
         self._fusion_batch: StreamBatch | None = None
+        t: Any = self
+        if getattr(t, "use_vllm", False):
+            self.fusion, notice = vllm_fallback(self.fusion, type(self).__name__,
+                                                str(getattr(t, "vllm_mode", "")))
+            if notice is not None:
+                warnings.warn(notice, UserWarning, stacklevel=2)
         if self.fusion.stream:
             self._check_streamable()
 
@@ -138,8 +144,6 @@ class FusedRolloutMixin:
     def _check_streamable(self) -> None:
         t: Any = self
         bad = []
-        if getattr(t, "use_vllm", False):
-            bad.append("use_vllm=True (vLLM generates instead of our backend)")
         if getattr(t, "use_transformers_continuous_batching", False):
             bad.append("transformers continuous batching is on")
         if getattr(t, "top_p", 1.0) not in (None, 1.0):
