@@ -1,15 +1,18 @@
 """``examples/trl_grpo.py`` under ``accelerate launch --num_processes 2`` on the CPU (gloo),
 with each of ``examples/accelerate/*_cpu.yaml``: multi-process DDP and DeepSpeed ZeRO-1, 2
-and 3 (DeepSpeed's CPU accelerator).
+and 3 (DeepSpeed's CPU accelerator); GRPO, and RLOO (``--algo rloo``).
 
-- ``test_grpo_launch_runs_with_rt_auto``: the fused trainer (every plugin, ``rt="auto"``)
-  trains the requested steps without error.
-- ``test_grpo_launch_off_equals_stock``: with ``FusionConfig.off()`` the trained weights
-  (gathered whole) have the same SHA-256 as TRL's own ``GRPOTrainer`` under the same config:
-  bit for bit.
+- ``test_grpo_launch_runs_with_rt_auto`` / ``test_rloo_launch_runs_with_rt_auto``: the fused
+  trainer (every plugin, ``rt="auto"``) trains the requested steps without error. Every step
+  checks that each sample of the batch came back exactly once (``_fused_rollout`` raises
+  otherwise); under ZeRO-3 the generation copy is built from the gathered weights (a copy of
+  the partitioned model fails at its first decode step).
+- ``test_grpo_launch_off_equals_stock`` / ``test_rloo_launch_off_equals_stock``: with
+  ``FusionConfig.off()`` the trained weights (gathered whole) have the same SHA-256 as TRL's
+  own trainer under the same config: bit for bit.
 
 One launch takes 30 s on an idle 2-core machine and several minutes on a loaded one, so only
-the DDP run of the fused trainer is in the default selection; the rest of the matrix is
+the DDP run of the fused GRPO trainer is in the default selection; the rest of the matrix is
 ``slow``. The first ZeRO launch on a machine JIT-builds DeepSpeed's CPU shared-memory
 communication op (cached under ``~/.cache/torch_extensions``; a C++ compiler is needed). FSDP
 is not in it: accelerate 1.15 turns ``distributed_type: FSDP`` into FSDP only
@@ -80,6 +83,23 @@ def test_grpo_launch_runs_with_rt_auto(config, model_dir, tmp_path):
 def test_grpo_launch_off_equals_stock(config, model_dir, tmp_path):
     off = launch(config, model_dir, tmp_path / "off", "--fusion", "off", steps=3)
     stock = launch(config, model_dir, tmp_path / "stock", "--fusion", "stock", steps=3)
+    assert off == stock
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIG_NAMES)
+def test_rloo_launch_runs_with_rt_auto(config, model_dir, tmp_path):
+    launch(config, model_dir, tmp_path / "run", "--algo", "rloo", "--fusion", "on",
+           steps=10 if config != "ddp" else 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIG_NAMES)
+def test_rloo_launch_off_equals_stock(config, model_dir, tmp_path):
+    off = launch(config, model_dir, tmp_path / "off", "--algo", "rloo", "--fusion", "off",
+                 steps=3)
+    stock = launch(config, model_dir, tmp_path / "stock", "--algo", "rloo", "--fusion", "stock",
+                   steps=3)
     assert off == stock
 
 
