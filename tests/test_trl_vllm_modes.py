@@ -115,7 +115,7 @@ TRL_VLLM_032_SYNC = "'Parameter' object has no attribute 'weight_loader'"
 
 @pytest.mark.vllm
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (the vllm CI step has it)")
-@pytest.mark.parametrize("algo", ["grpo", "rloo"])
+@pytest.mark.parametrize("algo", ["grpo"])  # RLOO: the same mixin code; an engine start is ~2 min
 def test_colocate_engine_generates_with_the_notice(algo, tmp_path):
     sys.path.insert(0, str(ROOT / "tests"))
     from test_vllm_real import save_model_dir
