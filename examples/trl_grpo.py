@@ -53,6 +53,10 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true", help="train on the CPU (float32)")
     ap.add_argument("--algo", choices=["grpo", "rloo"], default="grpo",
                     help="grpo: (Fused)GRPOTrainer; rloo: (Fused)RLOOTrainer")
+    ap.add_argument("--save-steps", type=int, default=0,
+                    help="checkpoint every N steps into --output-dir (0: no checkpoints)")
+    ap.add_argument("--resume", action="store_true",
+                    help="resume from the last checkpoint in --output-dir")
     ap.add_argument("--fusion", choices=["on", "off", "stock"], default="on",
                     help="on: every plugin (R_t 'auto'); off: FusionConfig.off(); stock: TRL's "
                          "own trainer (what 'off' must equal)")
@@ -69,7 +73,8 @@ def main() -> None:
         beta=args.beta,
         learning_rate=1e-5,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
         report_to=[],
         bf16=not args.cpu,
         use_cpu=args.cpu,
@@ -85,7 +90,7 @@ def main() -> None:
         fused = GRPOTrainer if args.algo == "grpo" else RLOOTrainer
         trainer = fused(model=args.model, reward_funcs=reward_len, args=config,
                         train_dataset=dataset, fusion=fusion)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
     # The trained weights, gathered whole under ZeRO-3 / FSDP (a collective): a run with
     # --fusion off must print the same digest as --fusion stock.
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)

@@ -103,6 +103,21 @@ def test_rloo_launch_off_equals_stock(config, model_dir, tmp_path):
     assert off == stock
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["grpo", "rloo"])
+def test_launch_resume_equals_the_uninterrupted_run(algo, model_dir, tmp_path):
+    """DDP, every plugin (migration, ``rt="auto"``): 4 steps checkpointed at 2, and a second
+    launch resuming from that checkpoint, end with the same weights (SHA-256)."""
+    import shutil
+
+    full = launch("ddp", model_dir, tmp_path / "full", "--algo", algo, "--save-steps", "2",
+                  steps=4)
+    shutil.copytree(tmp_path / "full" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed = launch("ddp", model_dir, tmp_path / "resumed", "--algo", algo, "--save-steps",
+                     "2", "--resume", steps=4)
+    assert resumed == full
+
+
 def test_ppo_launch_runs_under_ddp(model_dir, tmp_path):
     """``examples/trl_ppo.py`` (FusedPPOTrainer, every plugin, ``rt="auto"``) under
     ``ddp_cpu.yaml``: 4 iterations over 2 processes. DeepSpeed and PEFT are still refused by
