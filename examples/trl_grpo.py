@@ -2,6 +2,7 @@
 
     python examples/trl_grpo.py --model Qwen/Qwen2.5-0.5B-Instruct
     python examples/trl_grpo.py --model ./my-local-model --max-steps 2
+    python examples/trl_grpo.py --model ./my-local-model --algo rloo   # RLOO, same arguments
 
 The reward prefers answers of about 20 words that end a sentence; replace ``reward_len`` with
 your own reward functions (or reward model ids), as with TRL.
@@ -13,9 +14,10 @@ import argparse
 import hashlib
 
 from datasets import Dataset
-from trl import GRPOConfig
+from trl import GRPOConfig, RLOOConfig
 
 from rlhf_fusion.integrations.trl import FusedGRPOTrainer as GRPOTrainer
+from rlhf_fusion.integrations.trl import FusedRLOOTrainer as RLOOTrainer
 from rlhf_fusion.integrations.trl import FusionConfig
 
 PROMPTS = [
@@ -49,13 +51,20 @@ def main() -> None:
     ap.add_argument("--max-completion-length", type=int, default=32)
     ap.add_argument("--beta", type=float, default=0.04)
     ap.add_argument("--cpu", action="store_true", help="train on the CPU (float32)")
+    ap.add_argument("--algo", choices=["grpo", "rloo"], default="grpo",
+                    help="grpo: (Fused)GRPOTrainer; rloo: (Fused)RLOOTrainer")
+    ap.add_argument("--save-steps", type=int, default=0,
+                    help="checkpoint every N steps into --output-dir (0: no checkpoints)")
+    ap.add_argument("--resume", action="store_true",
+                    help="resume from the last checkpoint in --output-dir")
     ap.add_argument("--fusion", choices=["on", "off", "stock"], default="on",
                     help="on: every plugin (R_t 'auto'); off: FusionConfig.off(); stock: TRL's "
-                         "own GRPOTrainer (what 'off' must equal)")
+                         "own trainer (what 'off' must equal)")
     args = ap.parse_args()
 
     dataset = Dataset.from_dict({"prompt": PROMPTS * 4})
-    config = GRPOConfig(
+    config_cls = GRPOConfig if args.algo == "grpo" else RLOOConfig
+    config = config_cls(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
         per_device_train_batch_size=args.batch_size,
@@ -64,21 +73,24 @@ def main() -> None:
         beta=args.beta,
         learning_rate=1e-5,
         logging_steps=1,
-        save_strategy="no",
+        save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500,
         report_to=[],
         bf16=not args.cpu,
         use_cpu=args.cpu,
     )
     if args.fusion == "stock":
-        from trl import GRPOTrainer as StockGRPOTrainer
+        import trl
 
-        trainer = StockGRPOTrainer(model=args.model, reward_funcs=reward_len, args=config,
-                                   train_dataset=dataset)
+        stock = trl.GRPOTrainer if args.algo == "grpo" else trl.RLOOTrainer
+        trainer = stock(model=args.model, reward_funcs=reward_len, args=config,
+                        train_dataset=dataset)
     else:
         fusion = FusionConfig() if args.fusion == "on" else FusionConfig.off()
-        trainer = GRPOTrainer(model=args.model, reward_funcs=reward_len, args=config,
-                              train_dataset=dataset, fusion=fusion)
-    trainer.train()
+        fused = GRPOTrainer if args.algo == "grpo" else RLOOTrainer
+        trainer = fused(model=args.model, reward_funcs=reward_len, args=config,
+                        train_dataset=dataset, fusion=fusion)
+    trainer.train(resume_from_checkpoint=True if args.resume else None)
     # The trained weights, gathered whole under ZeRO-3 / FSDP (a collective): a run with
     # --fusion off must print the same digest as --fusion stock.
     state = trainer.accelerator.get_state_dict(trainer.model_wrapped)

@@ -1,12 +1,17 @@
 """``examples/trl_grpo.py`` under ``accelerate launch --num_processes 2`` on the CPU (gloo),
 with each of ``examples/accelerate/*_cpu.yaml``: multi-process DDP and DeepSpeed ZeRO-1, 2
-and 3 (DeepSpeed's CPU accelerator).
+and 3 (DeepSpeed's CPU accelerator); GRPO, RLOO (``--algo rloo``) and PPO.
 
-- ``test_grpo_launch_runs_with_rt_auto``: the fused trainer (every plugin, ``rt="auto"``)
-  trains the requested steps without error.
-- ``test_grpo_launch_off_equals_stock``: with ``FusionConfig.off()`` the trained weights
-  (gathered whole) have the same SHA-256 as TRL's own ``GRPOTrainer`` under the same config:
-  bit for bit.
+- ``test_grpo_launch_runs_with_rt_auto`` / ``test_rloo_launch_runs_with_rt_auto``: the fused
+  trainer (every plugin, ``rt="auto"``) trains the requested steps without error. Every step
+  checks that each sample of the batch came back exactly once (``_fused_rollout`` raises
+  otherwise); under ZeRO-3 the generation copy is built from the gathered weights (a copy of
+  the partitioned model fails at its first decode step).
+- ``test_grpo_launch_off_equals_stock`` / ``test_rloo_launch_off_equals_stock``: with
+  ``FusionConfig.off()`` the trained weights (gathered whole) have the same SHA-256 as TRL's
+  own trainer under the same config: bit for bit.
+- ``test_launch_resume_equals_the_uninterrupted_run``: GRPO and RLOO resumed from a
+  checkpoint end with the uninterrupted run's weights.
 - PPO (``examples/trl_ppo.py``, ``tests/_ppo_launch_check.py``): the fused trainer runs under
   DDP (default selection); under ZeRO-3 every streamed rollout is checked (every sample once,
   generation logprobs equal the sharded policy's teacher-forced ones, the generation copy
@@ -90,6 +95,39 @@ def test_grpo_launch_off_equals_stock(config, model_dir, tmp_path):
     off = launch(config, model_dir, tmp_path / "off", "--fusion", "off", steps=3)
     stock = launch(config, model_dir, tmp_path / "stock", "--fusion", "stock", steps=3)
     assert off == stock
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIG_NAMES)
+def test_rloo_launch_runs_with_rt_auto(config, model_dir, tmp_path):
+    launch(config, model_dir, tmp_path / "run", "--algo", "rloo", "--fusion", "on",
+           steps=10 if config != "ddp" else 4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIG_NAMES)
+def test_rloo_launch_off_equals_stock(config, model_dir, tmp_path):
+    off = launch(config, model_dir, tmp_path / "off", "--algo", "rloo", "--fusion", "off",
+                 steps=3)
+    stock = launch(config, model_dir, tmp_path / "stock", "--algo", "rloo", "--fusion", "stock",
+                   steps=3)
+    assert off == stock
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["grpo", "rloo"])
+def test_launch_resume_equals_the_uninterrupted_run(algo, model_dir, tmp_path):
+    """DDP, every plugin (migration, ``rt="auto"``): 4 steps checkpointed at 2, and a second
+    launch resuming from that checkpoint, end with the same weights (SHA-256)."""
+    import shutil
+
+    full = launch("ddp", model_dir, tmp_path / "full", "--algo", algo, "--save-steps", "2",
+                  steps=4)
+    shutil.copytree(tmp_path / "full" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
+    resumed = launch("ddp", model_dir, tmp_path / "resumed", "--algo", algo, "--save-steps",
+                     "2", "--resume", steps=4)
+    assert resumed == full
+
 
 
 def launch_script(script: Path, config: str, *args: str, timeout: int = 900

@@ -67,19 +67,20 @@ def model_dir(tmp_path_factory):
     return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-tail"), seed=1, eos_bias=1.5)
 
 
-def test_two_process_grpo_with_rt_auto_falling_to_zero_and_back(model_dir, tmp_path):
+@pytest.mark.parametrize("algo", ["grpo", pytest.param("rloo", marks=pytest.mark.slow)])
+def test_two_process_grpo_with_rt_auto_falling_to_zero_and_back(algo, model_dir, tmp_path):
     """2 processes, FusedGRPOTrainer with ``rt="auto"``: the planner is driven to 0 and back
     (scripted observations, so the choice does not depend on timings); every generation batch
     runs through the trainer's migrating rollout at that R_t and gives the same completions and
     advantages as the run without migration; then one optimizer step (``train()``) runs with
-    the planner at 0."""
+    the planner at 0. FusedRLOOTrainer the same (slow: the same migration code)."""
     from rlhf_fusion.launch import run_ranks
     from rlhf_fusion.testing.trl import grpo_rt_script_worker
 
     script = ["tail", "flat", "tail"]
     runs = []
     for s in (script, []):
-        res = run_ranks(grpo_rt_script_worker, 2, model_dir, str(tmp_path / "out"), s,
+        res = run_ranks(grpo_rt_script_worker, 2, model_dir, str(tmp_path / "out"), s, algo,
                         timeout=300)
         runs.append([r.value for r in sorted(res, key=lambda r: r.rank)])
     scripted, local = runs

@@ -209,8 +209,9 @@ def script_planner(planner: Any, kind: str) -> None:
 
 
 def grpo_rt_script_worker(rank: int, world: int, model_dir: str, out_dir: str,
-                          script: list[str]) -> dict[str, Any]:
-    """One rank of a 2-process FusedGRPOTrainer with ``rt="auto"`` whose planner sees the
+                          script: list[str], algo: str = "grpo") -> dict[str, Any]:
+    """One rank of a 2-process FusedGRPOTrainer (``algo="rloo"``: FusedRLOOTrainer) with
+    ``rt="auto"`` whose planner sees the
     scripted rollouts ``script`` (one entry per generation batch; ``[]``: no migration at all,
     ``migrate=False``). Every batch really runs through the trainer's migrating rollout at the
     R_t the planner chose, then ``trainer.train()`` runs one optimizer step whose rollout
@@ -219,25 +220,28 @@ def grpo_rt_script_worker(rank: int, world: int, model_dir: str, out_dir: str,
     import os
     import warnings
 
-    from trl import GRPOConfig
+    from trl import GRPOConfig, RLOOConfig
 
     from ..integrations.trl.fusion import FusionConfig
     from ..integrations.trl.grpo import FusedGRPOTrainer
     from ..integrations.trl.migration import RtChooser
+    from ..integrations.trl.rloo import FusedRLOOTrainer
     from ..rollout.rt_control import RtPlanner
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))
-    args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=4, num_generations=4,
+    config_cls, trainer_cls = ((GRPOConfig, FusedGRPOTrainer) if algo == "grpo"
+                               else (RLOOConfig, FusedRLOOTrainer))
+    args = config_cls(output_dir=out_dir, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=16, max_steps=1, beta=0.04, bf16=False,
                       use_cpu=True, report_to=[], seed=0, save_strategy="no",
                       disable_tqdm=True, logging_steps=1)
     fusion = FusionConfig(migrate=bool(script), rt="auto")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = FusedGRPOTrainer(model=model_dir, reward_funcs=[vowel_reward], args=args,
-                                   train_dataset=tiny_prompt_dataset(None, 8),
-                                   processing_class=tiny_tokenizer(), fusion=fusion)
+        trainer = trainer_cls(model=model_dir, reward_funcs=[vowel_reward], args=args,
+                              train_dataset=tiny_prompt_dataset(None, 8),
+                              processing_class=tiny_tokenizer(), fusion=fusion)
     trainer.model.train()
     chooser = trainer._rt_chooser = RtChooser("auto", fusion.max_batch_size, world)
     chooser.planner = RtPlanner(8 * world, world, bs_max=fusion.max_batch_size)

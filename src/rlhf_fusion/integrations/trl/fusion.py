@@ -9,7 +9,7 @@ from typing import Any, Literal
 from ...errors import RLHFFusionError
 from ...rollout.backend_registry import backend_names
 
-__all__ = ["FusionConfig", "FusionConfigError"]
+__all__ = ["FusionConfig", "FusionConfigError", "vllm_fallback"]
 
 
 class FusionConfigError(RLHFFusionError, ValueError):
@@ -101,6 +101,27 @@ class FusionConfig:
             raise FusionConfigError(
                 "migrate=True needs stream=True (migration moves samples between our "
                 "generation backends); set stream=True or migrate=False")
+
+
+def vllm_fallback(fusion: FusionConfig, trainer: str, vllm_mode: str
+                  ) -> tuple[FusionConfig, str | None]:
+    """The plugins a GRPO/RLOO trainer runs with TRL's ``use_vllm=True``, and the one-line notice
+    that says so (None when nothing changes).
+
+    TRL's vLLM engine (``colocate``: an ``LLM`` in every process; ``server``: ``trl vllm-serve``)
+    generates the whole batch, so there is nothing to stream from or migrate between: stream and
+    migrate fall back to TRL's generation and its scoring after it. The plugins that work on
+    the training forward stay on.
+    """
+    if not (fusion.stream or fusion.migrate):
+        return fusion, None
+    kept = [name for name in ("padding_free",) if getattr(fusion, name)]
+    notice = (f"{trainer}: use_vllm=True (vllm_mode={vllm_mode!r}): TRL's vLLM engine generates "
+              "and the batch is scored after generation, as stock (fusion.stream and "
+              "fusion.migrate off); still fused: "
+              f"{', '.join(kept) if kept else 'nothing'}. To stream through vLLM, set "
+              "use_vllm=False and pass FusionConfig(backend='vllm').")
+    return fusion.with_(stream=False, migrate=False), notice
 
 
 def generation_backend(policy: Any, fusion: FusionConfig, *, seed: int, instance_id: int,

@@ -27,20 +27,29 @@ tokens; positions past a completion's end (which TRL masks) hold :data:`REF_PAD_
 from __future__ import annotations
 
 import contextlib
+import json
+import os
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
 import torch
+from typing_extensions import override
 
 from ...rollout.sampling import derive_seed
 from ...rollout.types import SampleResult, SampleSpec
 from .compat import check_trl_seams, logps_options, uses_fused_lm_head
-from .fusion import FusionConfig, FusionConfigError, generation_backend
+from .fusion import FusionConfig, FusionConfigError, generation_backend, vllm_fallback
 from .packing import Packed, attention_mask_for, completion_targets, pack
 from .scoring import StreamBatch, StreamScorer, stock_module
 from .sharded import full_state_dict, plain_copy, sharding
 
-__all__ = ["REF_PAD_LOGP", "FusedRolloutMixin"]
+__all__ = ["FUSION_STATE_NAME", "REF_PAD_LOGP", "FusedRolloutMixin"]
+
+FUSION_STATE_NAME = "rlhf_fusion_state.json"
+"""The fused trainer's own state in a checkpoint folder, next to TRL's: the generation round,
+which seeds the sampling of the next rollout (so a resumed run draws what an uninterrupted one
+would have drawn)."""
 
 REF_PAD_LOGP = -1.0e4
 """Ref logprob at padded completion positions: ``exp(ref - logp)`` underflows to 0 there."""
@@ -87,15 +96,54 @@ class FusedRolloutMixin:
         self._fusion_backend: Any = None  # ReferenceBackend or VLLMBackend
         self._fusion_round = 0
         self._fusion_batch: StreamBatch | None = None
+        t: Any = self
+        if getattr(t, "use_vllm", False):
+            self.fusion, notice = vllm_fallback(self.fusion, type(self).__name__,
+                                                str(getattr(t, "vllm_mode", "")))
+            if notice is not None:
+                warnings.warn(notice, UserWarning, stacklevel=2)
         if self.fusion.stream:
             self._check_streamable()
+
+    # -- checkpoints ----------------------------------------------------------------------------
+    # What a resumed run needs besides TRL's checkpoint: the generation round (the sampling seed
+    # of each rollout derives from it; TRL's own generation draws from the torch RNG, which the
+    # Trainer saves). The rest is rebuilt: the generation copy at the first rollout, from the
+    # weights the Trainer loaded (and refreshed before every rollout anyway); the R_t planner
+    # from fresh timings (R_t decides which process decodes a sample, never what it decodes).
+    @override
+    def _save_checkpoint(self, model: Any, trial: Any) -> None:
+        super()._save_checkpoint(model, trial)  # type: ignore[misc]
+        t: Any = self
+        if self.fusion.stream and t.args.should_save:
+            from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+            folder = os.path.join(t._get_output_dir(trial=trial),
+                                  f"{PREFIX_CHECKPOINT_DIR}-{t.state.global_step}")
+            with open(os.path.join(folder, FUSION_STATE_NAME), "w") as f:
+                json.dump({"generation_round": self._fusion_round}, f)
+
+    @override
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # Where TRL loads its own extra checkpoint state too: called once on every resume.
+        super()._load_optimizer_and_scheduler(checkpoint)  # type: ignore[misc]
+        if checkpoint is None or not self.fusion.stream:
+            return
+        path = os.path.join(checkpoint, FUSION_STATE_NAME)
+        if not os.path.isfile(path):
+            warnings.warn(
+                f"{type(self).__name__}: {checkpoint} has no {FUSION_STATE_NAME} (a checkpoint "
+                "written by the stock trainer or by FusionConfig.off()): sampling restarts at "
+                "round 0, so the resumed run trains on other samples than an uninterrupted one would",
+                stacklevel=2)
+            return
+        with open(path) as f:
+            self._fusion_round = int(json.load(f)["generation_round"])
 
     # -- configuration checks -----------------------------------------------------------------
     def _check_streamable(self) -> None:
         t: Any = self
         bad = []
-        if getattr(t, "use_vllm", False):
-            bad.append("use_vllm=True (vLLM generates instead of our backend)")
         if getattr(t, "use_transformers_continuous_batching", False):
             bad.append("transformers continuous batching is on")
         if getattr(t, "top_p", 1.0) not in (None, 1.0):
