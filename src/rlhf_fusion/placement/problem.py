@@ -19,6 +19,12 @@ from .models import ModelShape, resolve_model
 from .profile import Profile, load_profile
 
 PARALLELISMS = ("megatron", "zero3", "deepspeed-chat")
+PROBLEM_KEYS = frozenset({
+    "models", "cluster", "batch", "prompt_len", "gen_len", "ppo_minibatches", "ppo_epochs",
+    "micro_batch_tokens", "gradient_checkpointing", "offload_frozen", "lengths", "fusion",
+    "oom_penalty", "iterations", "min_mesh_gpus", "name", "search", "parallelism", "profiles",
+    "lora_dim", "whole_batch"})
+"""The keys of a placement-problem file (``rlhf-fusion place``)."""
 
 
 @dataclass(frozen=True)
@@ -131,10 +137,7 @@ class PlacementProblem:
         if not isinstance(d, dict):
             raise PlacementError("the plan config must be a mapping with models, cluster, batch, "
                                  "prompt_len, gen_len (see docs/placement.md)")
-        known = {"models", "cluster", "batch", "prompt_len", "gen_len", "ppo_minibatches",
-                 "ppo_epochs", "micro_batch_tokens", "gradient_checkpointing", "offload_frozen",
-                 "lengths", "fusion", "oom_penalty", "iterations", "min_mesh_gpus", "name",
-                 "search", "parallelism", "profiles", "lora_dim", "whole_batch"}
+        known = PROBLEM_KEYS
         unknown = set(d) - known
         if unknown:
             raise PlacementError(f"unknown config keys {sorted(unknown)}; known keys: "
