@@ -318,12 +318,16 @@ def config_kind(raw: Any, path: str) -> str:
 def _train_config_problem(path: str) -> tuple[Any, dict[str, Any]]:
     """The placement problem the loop plans for a train config (``placement.search``'s), and
     the search options it implies (``placement.search`` seconds)."""
-    from .loop import RLHFConfig, load_prompts
+    from .loop import LoopConfigError, RLHFConfig, load_prompts
     from .loop.demo import demo_prompts
     from .loop.models import load_tokenizer
     from .loop.placement import placement_problem
 
     cfg = RLHFConfig.from_file(path)   # as `train` reads it (prompts relative to the file)
+    try:
+        cfg.validate()   # what `train` would refuse, refused here too
+    except LoopConfigError as exc:
+        raise LoopConfigError(f"{path}: {exc}") from None
     prompts = load_prompts(cfg.prompts) if cfg.prompts else demo_prompts()
     tok = load_tokenizer(cfg.models)
     prompt_len = sum(len(tok.encode(p)) for p in prompts) / max(len(prompts), 1)
