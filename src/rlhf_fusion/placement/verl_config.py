@@ -1,5 +1,5 @@
 """An execution plan as verl 0.9.1 configuration: resource pools, the role mapping they imply,
-and the Hydra overrides for ``python -m verl.trainer.main_ppo`` (``rlhf-fusion plan --verl``).
+and the Hydra overrides for ``python -m verl.trainer.main_ppo`` (``rlhf-fusion place --verl``).
 
 verl places roles by pool, and a pool is a GPU count per node, not a set of GPUs
 (``ResourcePoolManager(resource_pool_spec, mapping)``, verl/single_controller/ray/base.py:185).
