@@ -135,7 +135,8 @@ class PlacementProblem:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PlacementProblem:
         if not isinstance(d, dict):
-            raise PlacementError("the placement problem must be a mapping with models, cluster, batch, "
+            raise PlacementError("the placement problem must be a mapping with models, cluster, "
+                                 "batch, "
                                  "prompt_len, gen_len (see docs/placement.md)")
         known = PROBLEM_KEYS
         unknown = set(d) - known
@@ -220,7 +221,8 @@ def load_config(path: str | Path) -> dict[str, Any]:
     """A YAML or JSON file as a dict."""
     p = Path(path)
     if not p.exists():
-        raise PlacementError(f"config {p} does not exist; pass the path of a YAML/JSON placement problem or train config")
+        raise PlacementError(f"config {p} does not exist; pass the path of a YAML/JSON "
+                             "placement problem or train config")
     text = p.read_text()
     if p.suffix in (".yaml", ".yml"):
         import yaml
