@@ -136,8 +136,7 @@ class PlacementProblem:
     def from_dict(cls, d: dict[str, Any]) -> PlacementProblem:
         if not isinstance(d, dict):
             raise PlacementError("the placement problem must be a mapping with models, cluster, "
-                                 "batch, "
-                                 "prompt_len, gen_len (see docs/placement.md)")
+                                 "batch, prompt_len, gen_len (see docs/placement.md)")
         known = PROBLEM_KEYS
         unknown = set(d) - known
         if unknown:
