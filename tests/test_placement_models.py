@@ -183,3 +183,27 @@ def test_cli_place_a_critic_free_problem(tmp_path, capsys):
     d = json.loads((out / "plan.json").read_text())
     assert sorted(d["calls"]) == sorted(CRITIC_FREE)
     assert main(["place", str(cfg), "--out", str(out), "--preset", "disaggregated"]) == 0
+
+
+def test_the_loop_refuses_a_plan_for_other_models(tmp_path):
+    """A critic-free plan under a PPO train config (and the reverse) fails before any process
+    starts, naming both call sets."""
+    from rlhf_fusion.loop import LoopConfigError, PlacementSection, RLHFConfig
+    from rlhf_fusion.loop.placement import placement_of
+
+    free = problem({"actor": "1b", "critic": None})
+    path = tmp_path / "grpo-plan.json"
+    preset_plan(free, "interleaved").save(path, free.cluster)
+    cfg = RLHFConfig(placement=PlacementSection(plan=str(path)), world_size=2)
+    with pytest.raises(LoopConfigError, match=r"places \['actor_gen', 'actor_train', "
+                                              r"'ref_inf', 'reward_inf'\] but this run has "
+                                              r"the calls \['actor_gen', 'ref_inf', "
+                                              r"'reward_inf', 'critic_inf'"):
+        placement_of(cfg)
+    cfg.algorithm = "grpo"   # the field the critic-free loop adds (issue 37)
+    lp = placement_of(cfg)
+    assert set(lp.calls) == set(CRITIC_FREE)
+    ppo = problem({"actor": "1b"})
+    preset_plan(ppo, "interleaved").save(path, ppo.cluster)
+    with pytest.raises(LoopConfigError, match="search a plan for this config"):
+        placement_of(cfg)

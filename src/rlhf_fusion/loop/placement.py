@@ -275,6 +275,8 @@ def check_micro_batches(ppo: PPOLoopConfig, batch: int, placement: LoopPlacement
     if placement is None:
         return
     for call in TRAIN_CALL.values():
+        if call not in placement.calls:
+            continue   # no Critic (a critic-free algorithm)
         k = placement.copies(call)
         if m % k:
             where = (f"placement {placement.name}" if placement.name != "default" else
