@@ -286,17 +286,17 @@ def cmd_schedule_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-TRAIN_CONFIG_KEYS = frozenset({"models", "generation", "ppo", "fusion", "placement",
-                               "world_size", "iterations", "prompts", "algorithm"})
-"""The top-level keys of a train config (``RLHFConfig``; ``algorithm`` comes with the
-critic-free loop), as ``rlhf-fusion place`` tells it from a placement problem."""
-
-
 def config_kind(raw: Any, path: str) -> str:
     """``"problem"`` (a placement problem: it has a ``cluster``), ``"train"`` (an
-    ``RLHFConfig``), or a :class:`PlacementError` naming both accepted shapes."""
+    ``RLHFConfig``: its top-level keys only), or a :class:`PlacementError` naming both
+    accepted shapes."""
+    import dataclasses
+
+    from .loop import RLHFConfig
     from .placement import PlacementError
     from .placement.problem import PROBLEM_KEYS
+
+    train_keys = {f.name for f in dataclasses.fields(RLHFConfig)}
 
     shapes = ("give a placement problem (models, cluster, batch, prompt_len, gen_len; "
               "docs/placement.md) or a train config (models, generation, ppo, placement, "
@@ -304,15 +304,15 @@ def config_kind(raw: Any, path: str) -> str:
     if not isinstance(raw, dict):
         raise PlacementError(f"{path}: a {type(raw).__name__}, not a mapping; {shapes}")
     keys = set(raw)
-    if "cluster" in keys or (keys <= PROBLEM_KEYS and not keys <= TRAIN_CONFIG_KEYS):
+    if "cluster" in keys or (keys <= PROBLEM_KEYS and not keys <= train_keys):
         return "problem"
-    if keys <= TRAIN_CONFIG_KEYS and keys - {"models"}:
+    if keys <= train_keys and keys - {"models"}:
         return "train"
     if keys <= {"models"}:
         raise PlacementError(f"{path}: only models; {shapes}")
     raise PlacementError(
         f"{path}: keys {sorted(keys - PROBLEM_KEYS)} are not a placement problem's and "
-        f"{sorted(keys - TRAIN_CONFIG_KEYS)} not a train config's; {shapes}")
+        f"{sorted(keys - train_keys)} not a train config's; {shapes}")
 
 
 def _train_config_problem(path: str) -> tuple[Any, dict[str, Any]]:
