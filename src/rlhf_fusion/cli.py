@@ -297,19 +297,18 @@ def config_kind(raw: Any, path: str) -> str:
     from .placement.problem import PROBLEM_KEYS
 
     train_keys = {f.name for f in dataclasses.fields(RLHFConfig)}
-
     shapes = ("give a placement problem (models, cluster, batch, prompt_len, gen_len; "
               "docs/placement.md) or a train config (models, generation, ppo, placement, "
               "world_size; docs/loop.md)")
     if not isinstance(raw, dict):
         raise PlacementError(f"{path}: a {type(raw).__name__}, not a mapping; {shapes}")
     keys = set(raw)
+    # A placement problem always has a cluster, so a file without one and only a train
+    # config's keys (an empty one, or models alone, included) is a train config.
     if "cluster" in keys or (keys <= PROBLEM_KEYS and not keys <= train_keys):
         return "problem"
-    if keys <= train_keys and keys - {"models"}:
+    if keys <= train_keys:
         return "train"
-    if keys <= {"models"}:
-        raise PlacementError(f"{path}: only models; {shapes}")
     raise PlacementError(
         f"{path}: keys {sorted(keys - PROBLEM_KEYS)} are not a placement problem's and "
         f"{sorted(keys - train_keys)} not a train config's; {shapes}")
