@@ -80,6 +80,21 @@ def models_of_calls(calls: Iterable[str], where: str = "plan") -> tuple[str, ...
     return models
 
 
+_CALL_SETS: dict[frozenset[str], tuple[tuple[str, ...], tuple[str, ...]]] = {}
+
+
+def plan_calls(calls: Iterable[str], where: str = "plan"
+               ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(models, calls in CALLS order)`` of a plan's call set (:func:`models_of_calls`'s
+    check), cached: the search builds a plan per step."""
+    key = frozenset(calls)
+    hit = _CALL_SETS.get(key)
+    if hit is None:
+        models = models_of_calls(key, where)
+        hit = _CALL_SETS[key] = (models, calls_of(models))
+    return hit
+
+
 def train_calls(models: Iterable[str]) -> dict[str, str]:
     """:data:`TRAIN_CALL` restricted to ``models`` (the trainable ones present)."""
     have = set(models)

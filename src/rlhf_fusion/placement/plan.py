@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import PlacementError
-from .graph import CALL_MODEL, CALLS, models_of_calls
+from .graph import CALL_MODEL, CALLS, models_of_calls, plan_calls
 from .hardware import Cluster
 from .mesh import DeviceMesh, make_mesh
 from .strategy import ParallelStrategy
@@ -45,8 +45,7 @@ class ExecutionPlan:
     estimate: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        self.models = models_of_calls(self.calls, f"plan {self.name!r}")
-        self.call_names = tuple(c for c in CALLS if c in self.calls)
+        self.models, self.call_names = plan_calls(self.calls, f"plan {self.name!r}")
         bad = [m for m in self.offload if m not in ("ref", "reward")]
         if bad:
             raise PlacementError(f"offload {bad}: only the frozen ref and reward can be offloaded")
