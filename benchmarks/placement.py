@@ -356,7 +356,7 @@ def flex_compare(ours: dict, ref: dict) -> dict:
 
 
 def flex_search(ours: dict, search_s: float) -> list[dict]:
-    """`rlhf-fusion plan` on each workload of Tables I-II (DeepSpeed-Chat's engine, ZeRO-3
+    """`rlhf-fusion place` on each workload of Tables I-II (DeepSpeed-Chat's engine, ZeRO-3
     strategies proposed too), at the batch of the best hand-made strategy there."""
     rows = []
     for key in sorted({"|".join((k.split("|")[0], k.split("|")[2])) for k in ours["cells"]},

@@ -399,3 +399,58 @@ def test_an_unreadable_hub_id_is_one_line_without_retries(tmp_path, monkeypatch,
     assert err.count("\n") == 1, err
     assert ("models.ref: org/no-model: no such directory, and not in the Hub cache while the "
             "Hub cannot be reached (huggingface.co does not resolve)") in err
+
+
+def test_renamed_commands_keep_their_old_names_hidden_for_one_release(tmp_path, capsys):
+    """One word per idea: `place` searches placements, `schedule-demo` a fused schedule,
+    `tune-migration` R_t and m. The old names still run, print the new one once on stderr,
+    and are not listed in `rlhf-fusion --help`."""
+    import argparse
+
+    parser = cli.build_parser()
+    listed = parser.format_help()
+    for old, new in cli.RENAMED_COMMANDS.items():
+        assert f"\n    {new} " in listed or f"\n    {new}\n" in listed, new
+        assert f"\n    {old} " not in listed and f"\n    {old}\n" not in listed, old
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert {a.dest for a in sub._choices_actions}.isdisjoint(cli.RENAMED_COMMANDS)
+    assert parser.parse_args(["schedule-demo"]).out == "rlhf-fusion-schedule-demo"
+    json_out = tmp_path / "rt.json"
+    args = ["--instances", "2", "--batch-size", "64", "--median", "40", "--max-len", "256",
+            "--quiet", "--trials", "1", "--points", "3", "--json", str(json_out)]
+    assert cli.main(["plan-migration", *args]) == 0
+    err = capsys.readouterr().err
+    assert err.strip() == ("rlhf-fusion: `plan-migration` is deprecated; use "
+                           "`rlhf-fusion tune-migration`")
+    first = json_out.read_text()
+    assert cli.main(["tune-migration", *args]) == 0
+    assert "deprecated" not in capsys.readouterr().err
+    assert json_out.read_text() == first
+
+
+def test_place_takes_a_train_config_and_names_both_shapes_otherwise(tmp_path, capsys):
+    run = tmp_path / "run.yaml"
+    run.write_text(yaml.safe_dump(BASE))
+    out = tmp_path / "out"
+    assert cli.main(["place", str(run), "--out", str(out), "--time-limit", "0.3",
+                     "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert f"{run}: a train config (RLHFConfig)" in err
+    assert "models ['actor', 'critic', 'ref', 'reward'], 2 x a100-80g" in err
+    plan = yaml.safe_load((out / "plan.json").read_text())
+    assert plan["cluster"]["groups"][0]["gpus_per_node"] == 2
+    # the loop runs the plan it wrote
+    cfg = RLHFConfig.from_dict({**BASE, "placement": {"plan": str(out / "plan.json")}})
+    cfg.validate()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump({"models": {"actor": "1b"}, "gpus": 8}))
+    assert cli.main(["place", str(bad), "--quiet"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert ("keys ['gpus'] are not a placement problem's and ['gpus'] not a train config's; "
+            "give a placement problem (models, cluster, batch, prompt_len, gen_len; "
+            "docs/placement.md) or a train config (models, generation, ppo, placement, "
+            "world_size; docs/loop.md)") in err
+    bad.write_text(yaml.safe_dump({**BASE, "ppo": {"cliprange": "wide"}}))
+    assert cli.main(["place", str(bad), "--quiet"]) == 2
+    assert "ppo.cliprange" in capsys.readouterr().err

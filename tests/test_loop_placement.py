@@ -251,7 +251,7 @@ def test_bad_placements_are_rejected_before_start(tmp_path):
              placement=PlacementSection(preset="interleaved", search=5.0)).validate()
     with pytest.raises(LoopConfigError, match="search time in seconds"):
         tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(search=0.0)).validate()
-    with pytest.raises(LoopConfigError, match="write one with `rlhf-fusion plan"):
+    with pytest.raises(LoopConfigError, match="write one with `rlhf-fusion place"):
         tiny(WORLD, micro_batches=MICRO,
              placement=PlacementSection(plan=str(tmp_path / "missing.json"))).validate()
     plan = json.loads(open(_plan_file(tmp_path)).read())

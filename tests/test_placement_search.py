@@ -72,7 +72,7 @@ def test_plan_json_round_trip_and_rank_check(tmp_path):
     with pytest.raises(PlacementError, match="ranks"):
         ExecutionPlan.from_dict(d, p.cluster)
     d["format"] = "something"
-    with pytest.raises(PlacementError, match="rlhf-fusion plan"):
+    with pytest.raises(PlacementError, match="rlhf-fusion place"):
         ExecutionPlan.from_dict(d, p.cluster)
 
 

@@ -38,7 +38,7 @@ def test_policy_loss_clips_the_ratio():
     old = torch.zeros(1, 2)
     lp = torch.tensor([[math.log(2.0), math.log(0.5)]], requires_grad=True)
     adv = torch.tensor([[1.0, -1.0]])
-    loss, stats = policy_loss(lp, old, adv, mask, clip_eps=0.2)
+    loss, stats = policy_loss(lp, old, adv, mask, cliprange=0.2)
     # Both tokens are outside [0.8, 1.2] on the side the advantage pushes: clipped, no gradient.
     assert loss.item() == pytest.approx(-(1.2 * 1.0 + 0.8 * -1.0) / 2)
     loss.backward()
@@ -54,8 +54,10 @@ def test_policy_loss_clips_the_ratio():
 
 def test_kl_in_loss_or_in_reward():
     lp, ref, adv, mask = torch.randn(2, 5), torch.randn(2, 5), torch.randn(2, 5), _mask()
-    base, _ = policy_loss(lp, lp, adv, mask, ref_logprobs=ref, kl_mode="reward", kl_coef=0.5)
-    with_kl, stats = policy_loss(lp, lp, adv, mask, ref_logprobs=ref, kl_mode="loss", kl_coef=0.5)
+    base, _ = policy_loss(lp, lp, adv, mask, ref_logprobs=ref, kl_mode="reward", kl_coef=0.5,
+                          kl_estimator="k3")
+    with_kl, stats = policy_loss(lp, lp, adv, mask, ref_logprobs=ref, kl_mode="loss", kl_coef=0.5,
+                                 kl_estimator="k3")   # the default is the loop's k1
     kl = masked_mean(kl_estimate(lp, ref, "k3"), mask)
     assert with_kl.item() == pytest.approx(base.item() + 0.5 * kl.item(), abs=1e-6)
     assert stats["kl"].item() == pytest.approx(kl.item(), abs=1e-6)
@@ -78,10 +80,10 @@ def test_value_loss_clipping():
     old = torch.zeros(1, 2)
     ret = torch.tensor([[1.0, 1.0]])
     v = torch.tensor([[0.5, 2.0]], requires_grad=True)
-    loss, _ = value_loss(v, old, ret, mask, clip_eps=0.2)
+    loss, _ = value_loss(v, old, ret, mask, cliprange_value=0.2)
     # token 0: max((0.5-1)^2, (0.2-1)^2) = 0.64 ; token 1: max((2-1)^2, (0.2-1)^2) = 1
     assert loss.item() == pytest.approx(0.5 * (0.64 + 1.0) / 2)
-    unclipped, _ = value_loss(v, old, ret, mask, clip_eps=None)
+    unclipped, _ = value_loss(v, old, ret, mask, cliprange_value=None)
     assert unclipped.item() == pytest.approx(0.5 * (0.25 + 1.0) / 2)
 
 
@@ -119,7 +121,7 @@ def test_ppo_config_validation():
         PPOConfig(kl_mode="both")
     with pytest.raises(ValueError, match="micro_batches"):
         PPOConfig(micro_batches=0)
-    assert PPOConfig().to_dict()["clip_eps"] == 0.2
+    assert PPOConfig().to_dict()["cliprange"] == 0.2
 
 
 def _params_with_grads(seed: int, dtype: torch.dtype) -> list[torch.nn.Parameter]:
@@ -161,3 +163,29 @@ def test_clip_grad_norm_matches_torch(fraction, dtype):
             sum(float(p.grad.double().square().sum()) for p in ours if p.grad is not None)
         )
         assert clipped == pytest.approx(max_norm, rel=1e-5, abs=1e-6)
+
+
+def test_old_keyword_names_still_work_with_a_deprecation_warning():
+    """``clip_eps``/``value_clip_eps`` were the runtime's names before it took the loop's
+    (``cliprange``/``cliprange_value``); they still work for one release."""
+    with pytest.warns(DeprecationWarning, match="clip_eps is deprecated; use cliprange"):
+        old = PPOConfig(clip_eps=0.1, micro_batches=2)
+    with pytest.warns(DeprecationWarning, match="value_clip_eps is deprecated"):
+        assert PPOConfig(value_clip_eps=None).cliprange_value is None
+    assert old == PPOConfig(cliprange=0.1, micro_batches=2)
+    with pytest.warns(DeprecationWarning):
+        assert old.clip_eps == 0.1
+    with pytest.raises(TypeError, match="give cliprange only"):
+        PPOConfig(clip_eps=0.1, cliprange=0.2)
+    d = PPOConfig().to_dict()
+    assert (d["cliprange"], d["cliprange_value"], d["kl_coef"], d["kl_estimator"]) == (
+        0.2, 0.2, 0.05, "k1")   # the loop's defaults (loop/config.py:PPOLoopConfig)
+    lp, old_lp, adv, mask = torch.randn(2, 5), torch.randn(2, 5), torch.randn(2, 5), _mask()
+    with pytest.warns(DeprecationWarning, match="policy_loss: clip_eps"):
+        a, _ = policy_loss(lp, old_lp, adv, mask, clip_eps=0.1)
+    assert torch.equal(a, policy_loss(lp, old_lp, adv, mask, cliprange=0.1)[0])
+    with pytest.warns(DeprecationWarning, match="value_loss: clip_eps"):
+        v, _ = value_loss(lp, old_lp, adv, mask, clip_eps=None)
+    assert torch.equal(v, value_loss(lp, old_lp, adv, mask, cliprange_value=None)[0])
+    with pytest.raises(TypeError, match="unexpected"):
+        policy_loss(lp, old_lp, adv, mask, clip=0.1)

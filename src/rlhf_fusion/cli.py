@@ -1,4 +1,4 @@
-"""The rlhf-fusion command: run PPO with stage fusion, or plan fused schedules and placements.
+"""The rlhf-fusion command: run PPO with stage fusion, or search fused schedules and placements.
 
 Errors are one line naming the file or field and the fix: exit 2 for a bad config or
 argument (refused before any process starts), exit 1 for a failure while running (the full
@@ -266,7 +266,7 @@ def _write_error_log(out: str | Path, trace: str, exc: BaseException) -> Path:
     return path
 
 
-def cmd_plan_demo(args: argparse.Namespace) -> int:
+def cmd_schedule_demo(args: argparse.Namespace) -> int:
     from .schedule import Problem
     from .schedule.plot import plot_schedule
 
@@ -284,6 +284,78 @@ def cmd_plan_demo(args: argparse.Namespace) -> int:
           + " ".join(str(a) for a in streams[0][:6]) + " ...")
     print(f"  wrote {out / 'problem.json'}, {out / 'schedule.json'}, {out / 'schedule.png'}")
     return 0
+
+
+def config_kind(raw: Any, path: str) -> str:
+    """``"problem"`` (a placement problem: it has a ``cluster``), ``"train"`` (an
+    ``RLHFConfig``: its top-level keys only), or a :class:`PlacementError` naming both
+    accepted shapes."""
+    import dataclasses
+
+    from .loop import RLHFConfig
+    from .placement import PlacementError
+    from .placement.problem import PROBLEM_KEYS
+
+    train_keys = {f.name for f in dataclasses.fields(RLHFConfig)}
+    shapes = ("give a placement problem (models, cluster, batch, prompt_len, gen_len; "
+              "docs/placement.md) or a train config (models, generation, ppo, placement, "
+              "world_size; docs/loop.md)")
+    if not isinstance(raw, dict):
+        raise PlacementError(f"{path}: a {type(raw).__name__}, not a mapping; {shapes}")
+    keys = set(raw)
+    # A placement problem always has a cluster, so a file without one and only a train
+    # config's keys (an empty one, or models alone, included) is a train config.
+    if "cluster" in keys or (keys <= PROBLEM_KEYS and not keys <= train_keys):
+        return "problem"
+    if keys <= train_keys:
+        return "train"
+    raise PlacementError(
+        f"{path}: keys {sorted(keys - PROBLEM_KEYS)} are not a placement problem's and "
+        f"{sorted(keys - train_keys)} not a train config's; {shapes}")
+
+
+def _train_config_problem(path: str) -> tuple[Any, dict[str, Any]]:
+    """The placement problem the loop plans for a train config (``placement.search``'s), and
+    the search options it implies (``placement.search`` seconds)."""
+    from .loop import LoopConfigError, RLHFConfig, load_prompts
+    from .loop.demo import demo_prompts
+    from .loop.models import load_tokenizer
+    from .loop.placement import placement_problem
+
+    cfg = RLHFConfig.from_file(path)   # as `train` reads it (prompts relative to the file)
+    try:
+        cfg.validate()   # what `train` would refuse, refused here too
+    except LoopConfigError as exc:
+        raise LoopConfigError(f"{path}: {exc}") from None
+    prompts = load_prompts(cfg.prompts) if cfg.prompts else demo_prompts()
+    tok = load_tokenizer(cfg.models)
+    prompt_len = sum(len(tok.encode(p)) for p in prompts) / max(len(prompts), 1)
+    problem = placement_problem(cfg, prompt_len)
+    opts = {"time_limit": float(cfg.placement.search)} if cfg.placement.search else {}
+    print(f"{path}: a train config (RLHFConfig): planning the problem the loop runs for it: "
+          f"models {list(problem.roles)}, {cfg.world_size} x {cfg.placement.hardware} on one "
+          f"node, batch {problem.batch}, prompts {problem.prompt_len} + "
+          f"{problem.gen_len} tokens, tp = pp = 1", file=sys.stderr)
+    return problem, opts
+
+
+def cmd_place(args: argparse.Namespace) -> int:
+    """``rlhf-fusion place CONFIG``: a placement problem or a train config."""
+    from .loop import LoopConfigError
+    from .placement import PlacementError
+    from .placement.cli import run_place
+    from .placement.problem import load_config
+
+    try:
+        raw = load_config(args.config)
+        if config_kind(raw, args.config) == "problem":
+            print(f"{args.config}: a placement problem", file=sys.stderr)
+            return run_place(args)
+        problem, opts = _train_config_problem(args.config)
+    except (PlacementError, LoopConfigError) as exc:
+        print(f"rlhf-fusion place: error: {exc}", file=sys.stderr)
+        return 2
+    return run_place(args, problem, opts)
 
 
 def cmd_profile_layers(args: argparse.Namespace) -> int:
@@ -372,7 +444,7 @@ def cmd_profile_layers(args: argparse.Namespace) -> int:
               f"{1e3 * t['backward'][n]:.3f} ms/layer; a step adds {1e3 * t['step'][step]:.1f} ms "
               f"at {int(step):,} parameters"
               + (f"; gather {1e3 * t['gather'][step]:.1f} ms" if "gather" in t else ""))
-    print(f"wrote {out} (plan config: profiles: {{actor: {out}}})")
+    print(f"wrote {out} (placement problem: profiles: {{actor: {out}}})")
     return 0
 
 
@@ -398,6 +470,20 @@ def _count(least: int) -> Callable[[str], int]:
     return parse
 
 
+# Old command names, hidden from --help, kept for one release: old -> new.
+RENAMED_COMMANDS = {"plan": "place", "plan-demo": "schedule-demo",
+                    "plan-migration": "tune-migration"}
+
+
+def _deprecated_command(old: str, new: str, func: Callable[[argparse.Namespace], int]
+                        ) -> Callable[[argparse.Namespace], int]:
+    def run(args: argparse.Namespace) -> int:
+        print(f"rlhf-fusion: `{old}` is deprecated; use `rlhf-fusion {new}`", file=sys.stderr)
+        return func(args)
+
+    return run
+
+
 class _DeprecatedAlias(argparse.Action):
     """An old option name: still accepted, with a note naming the new one."""
 
@@ -417,7 +503,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlhf-fusion", description=__doc__.split("\n\n")[0],
         epilog="`rlhf-fusion COMMAND --help` shows a command's options. Docs: README.md, "
-               "docs/loop.md (train configs), docs/placement.md (plan).")
+               "docs/loop.md (train configs), docs/placement.md (place).")
     parser.add_argument("--version", action="version", version=f"rlhf-fusion {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
@@ -476,29 +562,43 @@ def build_parser() -> argparse.ArgumentParser:
                         "error.log)")
     t.set_defaults(func=cmd_train)
 
-    pd = sub.add_parser("plan-demo", help="plan a fused schedule for a built-in setting, plot it")
-    pd.add_argument("--out", default="rlhf-fusion-plan-demo",
-                    help="output directory (default: rlhf-fusion-plan-demo)")
-    pd.add_argument("--out-dir", dest="out", action=_DeprecatedAlias, new="--out",
-                    help=argparse.SUPPRESS)
-    pd.add_argument("--time-limit", type=float, default=20.0,
-                    help="seconds for the search (default: 20)")
-    pd.set_defaults(func=cmd_plan_demo)
+    def schedule_demo(pd: argparse.ArgumentParser, out: str) -> None:
+        pd.add_argument("--out", default=out, help=f"output directory (default: {out})")
+        pd.add_argument("--out-dir", dest="out", action=_DeprecatedAlias, new="--out",
+                        help=argparse.SUPPRESS)
+        pd.add_argument("--time-limit", type=float, default=20.0,
+                        help="seconds for the search (default: 20)")
 
-    from .rollout.cli import add_plan_migration_parser, run_plan_migration
+    from .placement.cli import add_place_parser
+    from .rollout.cli import add_tune_migration_parser, run_tune_migration
 
-    m = sub.add_parser("plan-migration", help="simulate long-tail migration and choose R_t and m")
-    add_plan_migration_parser(m)
-    m.set_defaults(func=run_plan_migration)
-
-    from .placement.cli import add_plan_parser, run_plan
-
-    pl = sub.add_parser("plan", help="search where each model call runs (placement, dp/tp/pp)")
-    add_plan_parser(pl)
-    pl.set_defaults(func=run_plan)
+    commands: dict[str, tuple[str, Callable[[argparse.ArgumentParser], Any],
+                              Callable[[argparse.Namespace], int]]] = {
+        "schedule-demo": ("find a fused schedule for a built-in setting, plot it",
+                          lambda p: schedule_demo(p, "rlhf-fusion-schedule-demo"),
+                          cmd_schedule_demo),
+        "tune-migration": ("simulate long-tail migration and choose R_t and m",
+                           add_tune_migration_parser, run_tune_migration),
+        "place": ("search where each model call runs (placement, dp/tp/pp) for a placement "
+                  "problem or a train config", add_place_parser, cmd_place),
+    }
+    for name, (text, add, func) in commands.items():
+        c = sub.add_parser(name, help=text)
+        add(c)
+        c.set_defaults(func=func)
+    for old, new in RENAMED_COMMANDS.items():
+        text, add, func = commands[new]
+        # No help=: the old name is not listed in `rlhf-fusion --help`.
+        c = sub.add_parser(old, description=f"(old name of `{new}`, kept for one release) "
+                                            f"{text}")
+        if old == "plan-demo":   # its old default folder, for scripts that read it
+            schedule_demo(c, "rlhf-fusion-plan-demo")
+        else:
+            add(c)
+        c.set_defaults(func=_deprecated_command(old, new, func))
 
     pr = sub.add_parser("profile-layers",
-                        help="time a model's decoder layers (and the rest of a pass) for `plan`")
+                        help="time a model's decoder layers (and the rest of a pass) for `place`")
     pr.add_argument("model", help="a local model directory or Hub id (only its config is read)")
     pr.add_argument("--out", default="layer-profile.json", help="the profile JSON")
     pr.add_argument("--tokens", type=int, nargs="+", default=[256, 512, 1024, 2048, 4096],

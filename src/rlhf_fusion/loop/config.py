@@ -116,7 +116,7 @@ class FusionLoopConfig:
 class PlacementSection:
     """Where each model function call runs (``docs/placement.md``): a FlexRLHF preset
     (``colocated``, ``interleaved``, ``interleaved2``, ``disaggregated``) or a plan file written
-    by ``rlhf-fusion plan``. Neither (the default): every model on every rank, Actor and Critic
+    by ``rlhf-fusion place``. Neither (the default): every model on every rank, Actor and Critic
     training on the fused pipeline. A placement's training is one replica
     (``ppo.micro_batches`` per mini-batch, shared by each training call's data-parallel
     ranks), and the pipeline (if any) comes from the plan.

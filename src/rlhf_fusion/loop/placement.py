@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RLHFFusionError
-from ..placement.graph import CALL_KIND, CALLS, TRAIN_CALL
+from ..placement.graph import CALL_KIND, CALLS, MODELS, TRAIN_CALL, calls_of
 from .errors import LoopConfigError
 
 if TYPE_CHECKING:
@@ -242,10 +242,17 @@ def placement_of(cfg: RLHFConfig) -> LoopPlacement | None:
         if cfg.generation.backend != "reference":
             raise LoopConfigError("placement: runs with generation.backend: reference only")
         try:
-            lp = resolve(pl.preset, pl.plan, cfg.world_size, pl.inference_fraction)
+            lp = resolve(pl.preset, pl.plan, cfg.world_size, pl.inference_fraction,
+                         planned_models(cfg) if pl.plan is None else None)
         except PlacementConfigError as exc:
             raise LoopConfigError(str(exc)) from exc
         assert lp is not None
+        want = calls_of(planned_models(cfg))
+        if tuple(c for c in CALLS if c in lp.calls) != want:
+            raise LoopConfigError(
+                f"placement.plan {pl.plan}: the plan places {sorted(lp.calls)} but this run "
+                f"has the calls {list(want)} (models {list(planned_models(cfg))}); search a "
+                "plan for this config (`rlhf-fusion place CONFIG`) or use placement.search")
         if own is not None:
             lp = dataclasses.replace(lp, offload=own)
     check_micro_batches(cfg.ppo, cfg.generation.prompts_per_iteration, lp)
@@ -268,6 +275,8 @@ def check_micro_batches(ppo: PPOLoopConfig, batch: int, placement: LoopPlacement
     if placement is None:
         return
     for call in TRAIN_CALL.values():
+        if call not in placement.calls:
+            continue   # no Critic (a critic-free algorithm)
         k = placement.copies(call)
         if m % k:
             where = (f"placement {placement.name}" if placement.name != "default" else
@@ -301,9 +310,11 @@ def offload_names(value: Any) -> tuple[str, ...] | None:
 
 
 def resolve(preset: str | None, plan: str | Path | None, world_size: int,
-            inference_fraction: float = 0.5) -> LoopPlacement | None:
-    """The loop's placement from a preset name or a plan file (``rlhf-fusion plan``'s
-    ``plan.json``); ``None`` when neither is given (the default co-located loop)."""
+            inference_fraction: float = 0.5, models: Sequence[str] | None = None
+            ) -> LoopPlacement | None:
+    """The loop's placement from a preset name or a plan file (``rlhf-fusion place``'s
+    ``plan.json``); ``None`` when neither is given (the default co-located loop). A preset
+    places the calls of ``models`` (default: all four); a plan file, the calls it has."""
     if preset is None and plan is None:
         return None
     if preset is not None and plan is not None:
@@ -323,12 +334,12 @@ def resolve(preset: str | None, plan: str | Path | None, world_size: int,
                 raw = json.loads(Path(plan).read_text())
             except FileNotFoundError:
                 raise PlacementConfigError(
-                    f"placement.plan: no file {plan}; write one with `rlhf-fusion plan "
+                    f"placement.plan: no file {plan}; write one with `rlhf-fusion place "
                     "CONFIG --out DIR` (DIR/plan.json) or use placement.preset") from None
             except json.JSONDecodeError as exc:
                 raise PlacementConfigError(
                     f"placement.plan: {plan} is not JSON ({exc}); pass the plan.json that "
-                    "`rlhf-fusion plan` wrote") from None
+                    "`rlhf-fusion place` wrote") from None
             if "cluster" in raw:
                 cluster = Cluster.from_dict(raw["cluster"])
             if cluster.size != world_size:
@@ -338,12 +349,13 @@ def resolve(preset: str | None, plan: str | Path | None, world_size: int,
             ep = ExecutionPlan.from_dict(raw, cluster)
             calls = {c: (tuple(ep.calls[c].mesh.ranks), ep.calls[c].strategy.dp,
                          ep.calls[c].strategy.tp, ep.calls[c].strategy.pp,
-                         ep.calls[c].strategy.zero) for c in CALLS}
+                         ep.calls[c].strategy.zero) for c in ep.call_names}
             name = ep.name or Path(plan).stem
             offload = ep.offload
         else:
-            meshes = cluster_meshes(cluster, preset_placement(preset, inference_fraction))
-            calls = {c: (tuple(meshes[c].ranks), meshes[c].size, 1, 1, 0) for c in CALLS}
+            meshes = cluster_meshes(cluster, preset_placement(preset, inference_fraction),
+                                    MODELS if models is None else models)
+            calls = {c: (tuple(meshes[c].ranks), meshes[c].size, 1, 1, 0) for c in meshes}
             name, offload = preset, ()
         for ranks, *_rest in calls.values():
             mesh_from_ranks(cluster, ranks)   # a legal mesh of the node
@@ -352,8 +364,13 @@ def resolve(preset: str | None, plan: str | Path | None, world_size: int,
     out = {}
     for c, (ranks, dp, tp, pp, zero) in calls.items():
         out[c] = _call_layout(c, tuple(ranks), dp, tp, pp, zero)
-    a, cr = out["actor_train"], out["critic_train"]
-    if (a.pp > 1 or cr.pp > 1) and (a.ranks != cr.ranks or a.pp != cr.pp
+    a, cr = out["actor_train"], out.get("critic_train")
+    if cr is None and a.pp > 1:
+        raise PlacementConfigError(
+            f"placement: actor_train pp={a.pp} without a Critic: the loop's training pipeline "
+            "is the fused Actor/Critic one, and a pipeline for one model alone is not "
+            "executed; use pp=1 (data parallel, tensor parallel or ZeRO-3)")
+    if cr is not None and (a.pp > 1 or cr.pp > 1) and (a.ranks != cr.ranks or a.pp != cr.pp
                                     or len(a.ranks) != world_size):
         raise PlacementConfigError(
             f"placement: actor_train {list(a.ranks)} pp={a.pp} and critic_train "
@@ -395,28 +412,59 @@ def _call_layout(c: str, ranks: tuple[int, ...], dp: int, tp: int, pp: int, zero
     return CallLayout(ranks, dp, pp, kind, tp, zero)
 
 
+CRITIC_FREE_ALGORITHMS = ("grpo", "rloo", "reinforce_pp")
+"""Algorithms that build no Critic: their plans have no ``critic_inf``/``critic_train``."""
+
+
+def planned_models(cfg: RLHFConfig) -> tuple[str, ...]:
+    """The models a plan for ``cfg`` places: Actor, Ref and the reward call always (a rule
+    reward runs on ``reward_inf``'s ranks too, planned as a negligible model), the Critic
+    unless the algorithm is critic-free. ``cfg.algorithm`` comes with the critic-free loop
+    (issue 37); a config without it is PPO."""
+    algorithm = getattr(cfg, "algorithm", "ppo")
+    critic = () if algorithm in CRITIC_FREE_ALGORITHMS else ("critic",)
+    return ("actor", *critic, "ref", "reward")
+
+
+def placement_problem(cfg: RLHFConfig, prompt_len: float,
+                      profiles: Mapping[str, Any] | None = None) -> Any:
+    """The :class:`~rlhf_fusion.placement.PlacementProblem` of ``cfg`` as the loop executes
+    it: its models' shapes (read from their configs, nothing loaded), a node of
+    ``world_size`` ``placement.hardware`` devices, its batch and PPO shape, no tensor
+    parallelism and no pipelines. ``prompt_len``: the mean prompt length in tokens.
+    Raises :class:`PlacementError` for a shape the planner refuses."""
+    from ..placement import Cluster, PlacementProblem, resolve_model
+    from .models import model_configs, model_shapes
+
+    pl, g, p = cfg.placement, cfg.generation, cfg.ppo
+    keep = planned_models(cfg)
+    shapes = {role: resolve_model(sh, f"models.{role}")
+              for role, sh in model_shapes(model_configs(cfg.models)).items() if role in keep}
+    return PlacementProblem(
+        models=shapes, cluster=Cluster.uniform(1, cfg.world_size, pl.hardware),
+        batch=g.prompts_per_iteration, prompt_len=max(1, round(prompt_len)),
+        gen_len=g.max_new_tokens, ppo_minibatches=p.num_mini_batches,
+        ppo_epochs=p.num_ppo_epochs, max_tp=1, max_pp=1, name="loop",
+        gradient_checkpointing=False,   # the loop never recomputes activations
+        # Planned with the frozen models in host memory when the run offloads them.
+        offload_frozen=bool(offload_names(pl.offload)), profiles=dict(profiles or {}))
+
+
 def search_plan(cfg: RLHFConfig, prompt_len: float, out: str | Path) -> str:
     """Search a plan for ``cfg`` (``placement.search`` seconds, ``placement.hardware``) among
     the plans the loop executes (tp = 1, no pipelines), write it to ``out`` and return the
     path. Run once, before the processes start: every rank must run the same plan."""
-    from ..placement import Cluster, PlacementError, PlacementProblem, resolve_model, search
-    from .models import model_configs, model_shapes
+    from ..placement import PlacementError, search
+    from .models import model_configs
 
-    pl, g, p = cfg.placement, cfg.generation, cfg.ppo
-    configs = model_configs(cfg.models)
-    profiles = (profile_models(configs, seq_len=max(1, round(prompt_len)) + g.max_new_tokens,
+    pl, g = cfg.placement, cfg.generation
+    profiles = (profile_models(model_configs(cfg.models),
+                               seq_len=max(1, round(prompt_len)) + g.max_new_tokens,
                                out=Path(out).parent / "profiles") if pl.profile else {})
     try:
-        shapes = {role: resolve_model(sh, f"models.{role}")
-                  for role, sh in model_shapes(configs).items()}
-        problem = PlacementProblem(
-            models=shapes, cluster=Cluster.uniform(1, cfg.world_size, pl.hardware),
-            batch=g.prompts_per_iteration, prompt_len=max(1, round(prompt_len)),
-            gen_len=g.max_new_tokens, ppo_minibatches=p.num_mini_batches,
-            ppo_epochs=p.num_ppo_epochs, max_tp=1, max_pp=1, name="loop",
-            gradient_checkpointing=False,   # the loop never recomputes activations
-            # Planned with the frozen models in host memory when the run offloads them.
-            offload_frozen=bool(offload_names(pl.offload)), profiles=profiles)
+        keep = planned_models(cfg)
+        problem = placement_problem(cfg, prompt_len,
+                                    {r: v for r, v in profiles.items() if r in keep})
         found = search(problem, time_limit=float(pl.search), seed=0)
     except PlacementError as exc:
         raise PlacementConfigError(f"placement.search: {exc}") from exc

@@ -9,7 +9,7 @@ search. Method and limits: ``docs/placement.md``.
 from .batch import BatchResult, max_batch
 from .errors import PlacementError
 from .estimate import Estimate, Estimator
-from .graph import CALLS, MODELS, build_graph
+from .graph import CALLS, MODELS, REQUIRED_MODELS, build_graph, calls_of
 from .hardware import (
     A100_80G,
     H100_80G,
@@ -54,4 +54,6 @@ __all__ = [
     "strategies_for",
     "Profile",
     "load_profile",
+    "REQUIRED_MODELS",
+    "calls_of",
 ]

@@ -1,19 +1,28 @@
-"""``rlhf-fusion plan CONFIG``: search an execution plan, print it beside the co-located
-heuristic, write the plan JSON and a timeline PNG."""
+"""``rlhf-fusion place CONFIG``: search an execution plan, print it beside the co-located
+heuristic, write the plan JSON and a timeline PNG. ``CONFIG`` is a placement problem
+(:meth:`PlacementProblem.from_dict`) or, through the top-level CLI, a train config (the
+problem the loop would plan for it). Its old name ``plan`` is a hidden alias for one release."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from .errors import PlacementError
 
+if TYPE_CHECKING:
+    from .problem import PlacementProblem
 
-def add_plan_parser(p: argparse.ArgumentParser) -> None:
-    p.add_argument("config", help="YAML/JSON: models, cluster, batch, prompt_len, gen_len "
-                                  "(see docs/placement.md)")
+
+def add_place_parser(p: argparse.ArgumentParser) -> None:
+    p.add_argument("config", help="YAML/JSON: a placement problem (models, cluster, batch, "
+                                  "prompt_len, gen_len; docs/placement.md) or a train config "
+                                  "(models, generation, ppo, placement, world_size; "
+                                  "docs/loop.md)")
     p.add_argument("--out", default="rlhf-fusion-plan", help="directory for plan.json and "
                                                              "timeline.png")
     p.add_argument("--time-limit", type=float, default=None,
@@ -28,18 +37,22 @@ def add_plan_parser(p: argparse.ArgumentParser) -> None:
                         "Hydra overrides (docs/verl.md)")
 
 
-def run_plan(args: argparse.Namespace) -> int:
+def run_place(args: argparse.Namespace, problem: PlacementProblem | None = None,
+              opts: Mapping[str, Any] | None = None) -> int:
+    """Search (or ``--preset``) and report. ``problem``: already read (a train config's, with
+    its ``opts``: ``time_limit``/``seed``); else ``args.config`` is a placement-problem file."""
     from .estimate import Estimator
-    from .plot import plot_timelines
     from .presets import colocated_heuristic, preset_plan
     from .problem import PlacementProblem, load_config
     from .search import search
 
     try:
-        raw = load_config(args.config)
-        problem = PlacementProblem.from_dict(raw)
-        opts = raw.get("search") or {}
-        if not isinstance(opts, dict) or set(opts) - {"time_limit", "seed"}:
+        if problem is None:
+            raw = load_config(args.config)
+            problem = PlacementProblem.from_dict(raw)
+            opts = raw.get("search") or {}
+        opts = {} if opts is None else opts
+        if not isinstance(opts, Mapping) or set(opts) - {"time_limit", "seed"}:
             raise PlacementError("search: a mapping with time_limit and/or seed")
         time_limit = args.time_limit if args.time_limit is not None else float(
             opts.get("time_limit", 60))
@@ -70,7 +83,7 @@ def run_plan(args: argparse.Namespace) -> int:
                     bar.close()
             plan = result.plan
     except PlacementError as exc:
-        print(f"rlhf-fusion plan: error: {exc}", file=sys.stderr)
+        print(f"rlhf-fusion place: error: {exc}", file=sys.stderr)
         return 2
     e_plan = est.estimate(plan)
     e_heur = est.estimate(heuristic)
@@ -94,6 +107,8 @@ def run_plan(args: argparse.Namespace) -> int:
     plan.estimate = {**e_plan.to_dict(), "heuristic_iteration_time_s": e_heur.iteration_time,
                      "gain": gain}
     plan.save(out / "plan.json", problem.cluster)
+    from .plot import plot_timelines
+
     plot_timelines([("co-located heuristic", heuristic, e_heur), (plan.name or "plan", plan, e_plan)],
                    out / "timeline.png")
     (out / "problem.json").write_text(json.dumps(summary, indent=1) + "\n")

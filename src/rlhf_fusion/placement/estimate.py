@@ -1,7 +1,7 @@
 """The estimator: an execution plan in, its iteration time and memory out.
 
-It builds the augmented dataflow graph of ``problem.iterations`` iterations (the six calls,
-a parameter-reallocation node wherever a trainable model's generation or inference layout
+It builds the augmented dataflow graph of ``problem.iterations`` iterations (the problem's
+calls: six for PPO, fewer without a Critic or a reward model; a parameter-reallocation node wherever a trainable model's generation or inference layout
 differs from its training layout, occupying both meshes; data-transfer delays on edges
 between different meshes), runs Algorithm 1 (``timeline.simulate``) on it and checks memory
 on every GPU: the static memory of the models resident there plus the largest dynamic memory
@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .costs import CostModel
-from .graph import CALL_KIND, CALL_MODEL, CALLS, DATA_EDGES, PARAM_EDGES, TRAIN_CALL
+from .errors import PlacementError
+from .graph import CALL_KIND, CALL_MODEL, TRAIN_CALL, data_edges, param_edges, train_calls
 from .hooks import fused_train_ratio, rollout_time
 from .plan import CallPlacement, ExecutionPlan
 from .problem import PlacementProblem
@@ -53,6 +54,10 @@ class Estimator:
     def __init__(self, problem: PlacementProblem, cost: CostModel | None = None):
         self.p = problem
         self.cost = cost or CostModel(problem)
+        self.calls = problem.calls
+        self.train_call = train_calls(problem.models)
+        self._data_edges = data_edges(self.calls)
+        self._param_edges = param_edges(self.calls)
         self._realloc: dict[tuple, float] = {}
         self._rollout: dict[tuple, tuple[float, dict]] = {}
         self.evaluations = 0
@@ -102,12 +107,12 @@ class Estimator:
         c, p = self.cost, self.p
         resident = self.gen_resident(plan, static)
         d = {k: c.time(k, plan.calls[k].mesh, plan.calls[k].strategy,
-                       resident if k == "actor_gen" else None) for k in CALLS}
+                       resident if k == "actor_gen" else None) for k in self.calls}
         notes: dict[str, Any] = {}
         if p.fusion.rollout:
             gen = plan.calls["actor_gen"]
             absorbed = tuple(k for k in ("ref_inf", "reward_inf", "critic_inf")
-                             if plan.calls[k].same_layout(gen))
+                             if k in plan.calls and plan.calls[k].same_layout(gen))
             key = (gen.mesh.ranks, gen.strategy, absorbed,
                    c.gen_rounds(gen.mesh, gen.strategy, resident))
             if key not in self._rollout:
@@ -116,7 +121,7 @@ class Estimator:
             for k in absorbed:
                 d[k] = 0.0
             notes["rollout"] = info
-        if p.fusion.train:
+        if p.fusion.train and "critic_train" in plan.calls:   # fusion pairs Actor and Critic
             a, b = plan.calls["actor_train"], plan.calls["critic_train"]
             if a.mesh.ranks == b.mesh.ranks:
                 r = fused_train_ratio(c, a.strategy, b.strategy)
@@ -129,8 +134,8 @@ class Estimator:
     def needs_realloc(self, plan: ExecutionPlan) -> dict[str, str]:
         """call -> model, for calls of a trainable model not in its training layout."""
         out = {}
-        for model, train_call in TRAIN_CALL.items():
-            for k in CALLS:
+        for model, train_call in self.train_call.items():
+            for k in self.calls:
                 if (CALL_MODEL[k] == model and CALL_KIND[k] != "train"
                         and not plan.calls[k].same_layout(plan.calls[train_call])):
                     out[k] = model
@@ -142,12 +147,12 @@ class Estimator:
         models' weights unless offloaded."""
         c = self.cost
         static: dict[int, float] = defaultdict(float)
-        for model, train_call in TRAIN_CALL.items():
+        for model, train_call in self.train_call.items():
             pl = plan.calls[train_call]
             b = c.static_bytes(model, pl.strategy, True)
             for r in pl.mesh.ranks:
                 static[r] += b
-        for k in CALLS:
+        for k in self.calls:
             pl = plan.calls[k]
             model = CALL_MODEL[k]
             if model in ("ref", "reward") and model not in plan.offload:
@@ -165,7 +170,7 @@ class Estimator:
         resident = self.gen_resident(plan, static)
         dyn: dict[int, float] = defaultdict(float)
         copies = self.needs_realloc(plan)
-        for k in CALLS:
+        for k in self.calls:
             pl = plan.calls[k]
             offloaded = CALL_MODEL[k] in plan.offload
             x = c.dynamic_bytes(k, pl.mesh, pl.strategy, holds_copy=k in copies or offloaded,
@@ -178,6 +183,10 @@ class Estimator:
     def estimate(self, plan: ExecutionPlan, *, keep_timeline: bool = True) -> Estimate:
         self.evaluations += 1
         p = self.p
+        if plan.call_names != self.calls:
+            raise PlacementError(
+                f"plan {plan.name!r} places {list(plan.call_names)} but the problem's models "
+                f"{list(p.roles)} have the calls {list(self.calls)}; plan for the same models")
         static = self.static_memory(plan)
         d, notes = self.call_durations(plan, static)
         reallocs = self.needs_realloc(plan)
@@ -186,13 +195,14 @@ class Estimator:
         nodes: list[TNode] = []
         index: dict[tuple[str, int], int] = {}
         for t in range(p.iterations):
-            for k in CALLS:
+            for k in self.calls:
                 pl = plan.calls[k]
                 parents: list[tuple[int, float]] = []
-                for a, b in DATA_EDGES:
+                for a, b in self._data_edges:
                     if b == k:
                         parents.append((index[(a, t)], self._data_delay(plan.calls[a], pl, a)))
-                param_parents = [index[(a, t - 1)] for a, b in PARAM_EDGES if b == k and t > 0]
+                param_parents = [index[(a, t - 1)] for a, b in self._param_edges
+                                 if b == k and t > 0]
                 if k in reallocs:
                     src = plan.calls[TRAIN_CALL[reallocs[k]]]
                     nodes.append(TNode(f"realloc {reallocs[k]}->{k}@{t}", rtime[k],

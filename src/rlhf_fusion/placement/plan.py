@@ -1,4 +1,5 @@
-"""An execution plan: for each of the six calls a device mesh and a parallel strategy.
+"""An execution plan: for each call a device mesh and a parallel strategy (PPO's six calls,
+or the four (three) of a critic-free run: ``graph.calls_of``).
 
 The JSON form (``ExecutionPlan.save`` / ``load``) is what the loop reads to run a plan (``placement: {plan: FILE}``):
 ``{"format": "rlhf-fusion-plan", "version": 1, "cluster": ..., "calls": {call: {"mesh":
@@ -15,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import PlacementError
-from .graph import CALL_MODEL, CALLS
+from .graph import CALL_MODEL, CALLS, models_of_calls, plan_calls
 from .hardware import Cluster
 from .mesh import DeviceMesh, make_mesh
 from .strategy import ParallelStrategy
@@ -44,16 +45,17 @@ class ExecutionPlan:
     estimate: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        missing = [c for c in CALLS if c not in self.calls]
-        if missing:
-            raise PlacementError(f"plan {self.name!r}: no placement for {missing}; every one of "
-                                 f"{list(CALLS)} needs a mesh and (dp, tp, pp)")
+        self.models, self.call_names = plan_calls(self.calls, f"plan {self.name!r}")
         bad = [m for m in self.offload if m not in ("ref", "reward")]
         if bad:
             raise PlacementError(f"offload {bad}: only the frozen ref and reward can be offloaded")
+        absent = [m for m in self.offload if m not in self.models]
+        if absent:
+            raise PlacementError(f"offload {absent}: the plan has no such model; offload only "
+                                 f"frozen models it has ({[m for m in self.models if m in ('ref', 'reward')]})")
 
     def key(self) -> tuple:
-        return tuple((self.calls[c].mesh.ranks, self.calls[c].strategy) for c in CALLS)
+        return tuple((self.calls[c].mesh.ranks, self.calls[c].strategy) for c in self.call_names)
 
     def replace(self, call: str, placement: CallPlacement, name: str | None = None) -> ExecutionPlan:
         calls = dict(self.calls)
@@ -62,9 +64,9 @@ class ExecutionPlan:
 
     def table(self) -> str:
         """Per call: model, allocation and (dp, tp, pp), as ReaLHF's Table 6."""
-        zero = any(self.calls[c].strategy.zero for c in CALLS)
+        zero = any(self.calls[c].strategy.zero for c in self.call_names)
         rows = [("call", "model", "allocation", "GPUs", "dp", "tp", "pp") + (("zero",) * zero)]
-        for c in CALLS:
+        for c in self.call_names:
             p = self.calls[c]
             rows.append((c, CALL_MODEL[c], p.mesh.name, str(p.mesh.size), str(p.strategy.dp),
                          str(p.strategy.tp), str(p.strategy.pp))
@@ -79,7 +81,7 @@ class ExecutionPlan:
         if cluster is not None:
             d["cluster"] = cluster.to_dict()
         d["calls"] = {c: {"model": CALL_MODEL[c], "mesh": self.calls[c].mesh.to_dict(),
-                          **self.calls[c].strategy.to_dict()} for c in CALLS}
+                          **self.calls[c].strategy.to_dict()} for c in self.call_names}
         d["offload"] = list(self.offload)
         if self.estimate:
             d["estimate"] = self.estimate
@@ -92,15 +94,19 @@ class ExecutionPlan:
     def from_dict(cls, d: dict[str, Any], cluster: Cluster) -> ExecutionPlan:
         if d.get("format") != FORMAT:
             raise PlacementError(f"not a plan file (format {d.get('format')!r}, expected "
-                                 f"{FORMAT!r}); write one with `rlhf-fusion plan`")
+                                 f"{FORMAT!r}); write one with `rlhf-fusion place`")
         if d.get("version") != VERSION:
             raise PlacementError(f"plan version {d.get('version')!r} is not {VERSION}; "
-                                 "re-run `rlhf-fusion plan` to write a current plan")
+                                 "re-run `rlhf-fusion place` to write a current plan")
+        raw = d.get("calls")
+        if not isinstance(raw, dict) or not raw:
+            raise PlacementError("plan: no calls; write the plan with `rlhf-fusion place`")
+        models_of_calls(raw, "plan")   # every call of each model it names, Actor and Ref
         calls = {}
         for c in CALLS:
-            if c not in d.get("calls", {}):
-                raise PlacementError(f"plan: call {c!r} missing; every call needs a placement")
-            e = d["calls"][c]
+            if c not in raw:
+                continue
+            e = raw[c]
             m = e["mesh"]
             mesh = make_mesh(cluster, m["group"], m["nodes"][0], m["nodes"][1],
                              m["gpus"][0], m["gpus"][1])

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pathlib import Path
 
 from .estimate import Estimate
-from .graph import CALLS
 from .plan import ExecutionPlan
 
 COLORS = {"actor_gen": "#4C72B0", "ref_inf": "#8172B3", "reward_inf": "#CCB974",
@@ -22,14 +21,14 @@ def plot_timelines(items: list[tuple[str, ExecutionPlan, Estimate]], path: str |
 
     heights = []
     for _, plan, _ in items:
-        heights.append(len({plan.calls[c].mesh.ranks for c in CALLS}) + 1)
+        heights.append(len({plan.calls[c].mesh.ranks for c in plan.call_names}) + 1)
     fig, axes = plt.subplots(len(items), 1, figsize=(12, 1.0 + 0.55 * sum(heights)),
                              gridspec_kw={"height_ratios": heights}, squeeze=False)
     xmax = max(e.timeline.makespan for _, _, e in items if e.timeline is not None)
     for ax, (title, plan, est) in zip(axes[:, 0], items):
         tl = est.timeline
         assert tl is not None, "estimate(keep_timeline=True) is needed to plot"
-        meshes = sorted({plan.calls[c].mesh for c in CALLS}, key=lambda m: (-m.size, m.ranks))
+        meshes = sorted({plan.calls[c].mesh for c in plan.call_names}, key=lambda m: (-m.size, m.ranks))
         row = {m.ranks: i for i, m in enumerate(meshes)}
         labels = [f"{m.name} ({m.size})" for m in meshes]
         for node, s, e in zip(tl.nodes, tl.start, tl.end):
@@ -55,7 +54,8 @@ def plot_timelines(items: list[tuple[str, ExecutionPlan, Estimate]], path: str |
         ax.set_title(f"{title}: {est.iteration_time:.1f} s/iteration"
                      + (" (OOM)" if est.oom else ""), fontsize=10)
     axes[-1, 0].set_xlabel("seconds (two iterations, Algorithm 1)")
-    handles = [Patch(color=v, label=k) for k, v in COLORS.items()]
+    shown = {c for _, plan, _ in items for c in plan.call_names}
+    handles = [Patch(color=v, label=k) for k, v in COLORS.items() if k in shown]
     handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="reallocation"))
     fig.legend(handles=handles, loc="lower center", ncol=7, fontsize=8)
     fig.tight_layout(rect=(0, 0.05, 1, 1))

@@ -7,6 +7,11 @@ in model order, wrapping to the start when the group is full, so ``[1, 1, 0.5, 0
 Ref on the first half and the Reward on the second. Every rank set must be a legal mesh:
 whole nodes, or a slice of one node whose size divides it.
 
+Without a Critic (GRPO, RLOO, REINFORCE++) or a reward model (a rule or function reward) the
+absent model's ratio is skipped and its calls are left out; the others keep their meshes, so
+``interleaved2`` still puts the Actor with the Ref on one half and the reward model on the
+other.
+
 Presets:
 
 * ``colocated``: every model on every GPU (DeepSpeed-Chat, FlexRLHF's "flattening");
@@ -36,7 +41,7 @@ from dataclasses import dataclass, field
 
 from .errors import PlacementError
 from .estimate import Estimator
-from .graph import CALL_MODEL, CALLS, MODELS
+from .graph import CALL_MODEL, CALLS, MODELS, calls_of
 from .hardware import Cluster
 from .mesh import DeviceMesh, make_mesh, mesh_from_ranks
 from .plan import CallPlacement, ExecutionPlan
@@ -126,8 +131,8 @@ def _disaggregated_meshes(cluster: Cluster, fraction: float) -> tuple[DeviceMesh
 
 
 def placement_meshes(problem: PlacementProblem, placement: Placement) -> dict[str, DeviceMesh]:
-    """Call -> mesh."""
-    return cluster_meshes(problem.cluster, placement)
+    """Call -> mesh, for the problem's calls."""
+    return cluster_meshes(problem.cluster, placement, problem.roles)
 
 
 def preset_placement(name: str, inference_fraction: float = 0.5) -> Placement:
@@ -139,23 +144,28 @@ def preset_placement(name: str, inference_fraction: float = 0.5) -> Placement:
     raise PlacementError(f"unknown placement preset {name!r}; use one of {list(PRESET_NAMES)}")
 
 
-def cluster_meshes(cl: Cluster, placement: Placement) -> dict[str, DeviceMesh]:
-    """Call -> mesh on a cluster (no model sizes needed)."""
+def cluster_meshes(cl: Cluster, placement: Placement, models: Sequence[str] = MODELS
+                   ) -> dict[str, DeviceMesh]:
+    """Call -> mesh on a cluster (no model sizes needed), for the calls of ``models``."""
+    calls = calls_of(models)
     if placement.disaggregated:
         train, infer = _disaggregated_meshes(cl, placement.inference_fraction)
-        return {c: (train if c.endswith("_train") else infer) for c in CALLS}
+        return {c: (train if c.endswith("_train") else infer) for c in calls}
     by_model: dict[str, DeviceMesh] = {}
     if placement.ratios is not None:
         by_model = ratio_meshes(cl, placement.ratios)
-    out = {c: by_model.get(CALL_MODEL[c]) for c in CALLS}
+    out = {c: by_model.get(CALL_MODEL[c]) for c in calls}
     for key, ranks in placement.ranks.items():
         mesh = mesh_from_ranks(cl, ranks)
-        if key in CALLS:
+        if key in calls:
             out[key] = mesh
-        elif key in MODELS:
-            for c in CALLS:
+        elif key in MODELS and key in models:
+            for c in calls:
                 if CALL_MODEL[c] == key:
                     out[c] = mesh
+        elif key in MODELS or key in CALLS:
+            raise PlacementError(f"placement ranks: {key!r} is not part of this run (its models "
+                                 f"are {list(models)}); drop it or add the model")
         else:
             raise PlacementError(f"placement ranks: {key!r} is neither a model {list(MODELS)} "
                                  f"nor a call {list(CALLS)}")
@@ -247,9 +257,10 @@ def fit_strategies(problem: PlacementProblem, meshes: dict[str, DeviceMesh], nam
 
 def _fit(problem: PlacementProblem, meshes: dict[str, DeviceMesh], name: str, est: Estimator,
          offload: tuple[str, ...], config: tuple[int, bool] | None) -> ExecutionPlan:
-    key_of = {c: _ladder_key(problem, c, meshes[c]) for c in CALLS}
+    calls = problem.calls
+    key_of = {c: _ladder_key(problem, c, meshes[c]) for c in calls}
     keys = sorted(set(key_of.values()))
-    mesh_of = {k: next(meshes[c] for c in CALLS if key_of[c] == k) for k in keys}
+    mesh_of = {k: next(meshes[c] for c in calls if key_of[c] == k) for k in keys}
     ladders = {k: (_ladder(mesh_of[k], problem, k) if config is None
                    else _ds_chat_ladder(mesh_of[k], problem, k, meshes, config)) for k in keys}
     for k, lad in ladders.items():
@@ -258,9 +269,8 @@ def _fit(problem: PlacementProblem, meshes: dict[str, DeviceMesh], name: str, es
     level = dict.fromkeys(keys, 0)
 
     def build() -> ExecutionPlan:
-        calls = {c: CallPlacement(meshes[c], ladders[key_of[c]][level[key_of[c]]])
-                 for c in CALLS}
-        return ExecutionPlan(calls, name, offload)
+        return ExecutionPlan({c: CallPlacement(meshes[c], ladders[key_of[c]][level[key_of[c]]])
+                              for c in calls}, name, offload)
 
     while True:
         plan = build()
@@ -281,15 +291,23 @@ def preset_plan(problem: PlacementProblem, name: str, *, estimator: Estimator | 
                 inference_fraction: float = 0.5) -> ExecutionPlan:
     """One of ``colocated``, ``interleaved``, ``interleaved2``, ``disaggregated``."""
     placement = preset_placement(name, inference_fraction)
-    offload = ("ref", "reward") if problem.offload_frozen else ()
+    offload = frozen_offload(problem)
     return fit_strategies(problem, placement_meshes(problem, placement), name, estimator, offload)
 
 
 def placement_plan(problem: PlacementProblem, placement: Placement, *,
                    estimator: Estimator | None = None) -> ExecutionPlan:
-    offload = ("ref", "reward") if problem.offload_frozen else ()
+    offload = frozen_offload(problem)
     return fit_strategies(problem, placement_meshes(problem, placement),
                           placement.name or "custom", estimator, offload)
+
+
+def frozen_offload(problem: PlacementProblem) -> tuple[str, ...]:
+    """The frozen models (Ref, and the reward model when there is one) kept in host memory
+    between calls: all of them with ``offload_frozen``, else none."""
+    if not problem.offload_frozen:
+        return ()
+    return tuple(m for m in ("ref", "reward") if m in problem.models)
 
 
 def colocated_heuristic(problem: PlacementProblem, *, estimator: Estimator | None = None

@@ -1,6 +1,7 @@
-"""What the planner plans for: the four models, the cluster, the batch and the PPO shape.
+"""What the planner plans for: the models (Actor and Ref, the Critic and the reward model when
+the run has them), the cluster, the batch and the PPO shape.
 
-``PlacementProblem.from_dict`` reads the ``rlhf-fusion plan`` config (YAML/JSON); every bad
+``PlacementProblem.from_dict`` reads the ``rlhf-fusion place`` config (YAML/JSON); every bad
 value raises a :class:`PlacementError` that names the field and the fix.
 """
 
@@ -12,12 +13,18 @@ from pathlib import Path
 from typing import Any
 
 from .errors import PlacementError
-from .graph import MODELS
+from .graph import MODELS, calls_of, check_models
 from .hardware import Cluster
 from .models import ModelShape, resolve_model
 from .profile import Profile, load_profile
 
 PARALLELISMS = ("megatron", "zero3", "deepspeed-chat")
+PROBLEM_KEYS = frozenset({
+    "models", "cluster", "batch", "prompt_len", "gen_len", "ppo_minibatches", "ppo_epochs",
+    "micro_batch_tokens", "gradient_checkpointing", "offload_frozen", "lengths", "fusion",
+    "oom_penalty", "iterations", "min_mesh_gpus", "name", "search", "parallelism", "profiles",
+    "lora_dim", "whole_batch"})
+"""The keys of a placement-problem file (``rlhf-fusion place``)."""
 
 
 @dataclass(frozen=True)
@@ -30,6 +37,8 @@ class Fusion:
 
 @dataclass(frozen=True)
 class PlacementProblem:
+    # The run's models: actor and ref always, critic (PPO; none for GRPO, RLOO, REINFORCE++)
+    # and reward (a reward model; none for a rule or function reward) when it has them.
     models: dict[str, ModelShape]
     cluster: Cluster
     batch: int = 512                 # prompts (= samples) per iteration
@@ -75,10 +84,7 @@ class PlacementProblem:
     profiles: dict[str, Profile] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        missing = [m for m in MODELS if m not in self.models]
-        if missing:
-            raise PlacementError(f"models: {missing} missing; give actor, critic, ref, reward "
-                                 "(ref defaults to the actor, reward to the critic)")
+        check_models(self.models)
         for key in ("batch", "prompt_len", "gen_len", "ppo_minibatches", "ppo_epochs",
                     "micro_batch_tokens", "iterations"):
             v = getattr(self, key)
@@ -95,6 +101,16 @@ class PlacementProblem:
         if self.oom_penalty < 1:
             raise PlacementError("oom_penalty must be >= 1 (a plan that does not fit must not "
                                  "look faster)")
+
+    @property
+    def roles(self) -> tuple[str, ...]:
+        """The models present, in ``MODELS`` order."""
+        return tuple(m for m in MODELS if m in self.models)
+
+    @property
+    def calls(self) -> tuple[str, ...]:
+        """The calls of the models present, in ``CALLS`` order."""
+        return calls_of(self.models)
 
     @property
     def seq_len(self) -> int:
@@ -119,12 +135,9 @@ class PlacementProblem:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> PlacementProblem:
         if not isinstance(d, dict):
-            raise PlacementError("the plan config must be a mapping with models, cluster, batch, "
-                                 "prompt_len, gen_len (see docs/placement.md)")
-        known = {"models", "cluster", "batch", "prompt_len", "gen_len", "ppo_minibatches",
-                 "ppo_epochs", "micro_batch_tokens", "gradient_checkpointing", "offload_frozen",
-                 "lengths", "fusion", "oom_penalty", "iterations", "min_mesh_gpus", "name",
-                 "search", "parallelism", "profiles", "lora_dim", "whole_batch"}
+            raise PlacementError("the placement problem must be a mapping with models, cluster, "
+                                 "batch, prompt_len, gen_len (see docs/placement.md)")
+        known = PROBLEM_KEYS
         unknown = set(d) - known
         if unknown:
             raise PlacementError(f"unknown config keys {sorted(unknown)}; known keys: "
@@ -136,15 +149,27 @@ class PlacementProblem:
         bad = set(raw) - set(MODELS)
         if bad:
             raise PlacementError(f"models: unknown roles {sorted(bad)}; use {list(MODELS)}")
-        if "actor" not in raw:
+        if raw.get("actor") in (None, "none"):
             raise PlacementError("models.actor is required (a preset such as llama-7b or "
                                  "{params: 7e9})")
+        if "ref" in raw and raw["ref"] in (None, "none"):
+            raise PlacementError("models.ref: every run has a Ref (the KL reference); leave it "
+                                 "out to use the actor's model")
+        # critic: null (a critic-free algorithm) or reward: null (a rule or function reward)
+        # leaves that model out, with its calls.
+        absent = {role for role in ("critic", "reward") if role in raw
+                  and raw[role] in (None, "none")}
+        for role in absent:
+            del raw[role]
         # A role without its own model is the same network as another: so is its profile.
-        same_as = {"critic": "actor", "ref": "actor", "reward": "critic"}
-        defaulted = {role: src for role, src in same_as.items() if role not in raw}
+        same_as = {"critic": "actor", "ref": "actor",
+                   "reward": "actor" if "critic" in absent else "critic"}
+        defaulted = {role: src for role, src in same_as.items()
+                     if role not in raw and role not in absent}
         for role, src in defaulted.items():
             raw[role] = raw[src]
-        models = {role: resolve_model(raw[role], f"models.{role}") for role in MODELS}
+        models = {role: resolve_model(raw[role], f"models.{role}") for role in MODELS
+                  if role in raw}
         if "cluster" not in d:
             raise PlacementError("cluster: required, e.g. {nodes: 1, gpus_per_node: 8, "
                                  "hardware: a100-80g}")
@@ -166,8 +191,8 @@ class PlacementProblem:
             if key in d:
                 kw[key] = bool(d[key])
         profiles = d.get("profiles") or {}
-        if not isinstance(profiles, dict) or set(profiles) - set(MODELS):
-            raise PlacementError(f"profiles: a mapping from roles {list(MODELS)} to a file "
+        if not isinstance(profiles, dict) or set(profiles) - set(models):
+            raise PlacementError(f"profiles: a mapping from roles {list(models)} to a file "
                                  "written by `rlhf-fusion profile-layers` (or inline tables)")
         kw["profiles"] = {role: load_profile(spec, f"profiles.{role}")
                           for role, spec in profiles.items()}
@@ -195,7 +220,8 @@ def load_config(path: str | Path) -> dict[str, Any]:
     """A YAML or JSON file as a dict."""
     p = Path(path)
     if not p.exists():
-        raise PlacementError(f"config {p} does not exist; pass the path of a YAML/JSON plan config")
+        raise PlacementError(f"config {p} does not exist; pass the path of a YAML/JSON "
+                             "placement problem or train config")
     text = p.read_text()
     if p.suffix in (".yaml", ".yml"):
         import yaml

@@ -5,7 +5,8 @@ Candidates of a call are every legal (mesh, strategy) on which the call fits alo
 static memory plus its own dynamic memory, ReaLHF's filter; for a trainable model's generation
 or inference call only the reallocated copy, which is all it holds there) and whose batch shape
 works. The
-search state assigns one candidate to each of the six calls; its cost is the estimator's
+search state assigns one candidate to each of the problem's calls (six for PPO, fewer without a
+Critic or a reward model); its cost is the estimator's
 (iteration time, times the OOM penalty when a GPU overflows).
 
 * Greedy start: the best of the presets (co-located heuristic included), then coordinate
@@ -29,10 +30,10 @@ from dataclasses import dataclass, field
 
 from .errors import PlacementError
 from .estimate import Estimate, Estimator
-from .graph import CALL_KIND, CALL_MODEL, CALLS
+from .graph import CALL_KIND, CALL_MODEL
 from .mesh import enumerate_meshes
 from .plan import CallPlacement, ExecutionPlan
-from .presets import PRESET_NAMES, colocated_heuristic, preset_plan
+from .presets import PRESET_NAMES, colocated_heuristic, frozen_offload, preset_plan
 from .problem import PlacementProblem
 from .strategy import strategies_for
 
@@ -43,7 +44,7 @@ def candidates(problem: PlacementProblem, estimator: Estimator) -> dict[str, lis
     cost = estimator.cost
     meshes = enumerate_meshes(problem.cluster, problem.mesh_min_gpus)
     out: dict[str, list[CallPlacement]] = {}
-    for call in CALLS:
+    for call in problem.calls:
         model = CALL_MODEL[call]
         trainable = model in ("actor", "critic")
         offloaded = problem.offload_frozen and not trainable
@@ -130,7 +131,8 @@ def search(problem: PlacementProblem, *, time_limit: float = 60.0, seed: int = 0
     est = estimator or Estimator(problem)
     cost = _Cache(est)
     cands = candidates(problem, est)
-    offload = ("ref", "reward") if problem.offload_frozen else ()
+    calls_of = problem.calls
+    offload = frozen_offload(problem)
     heuristic = colocated_heuristic(problem, estimator=est)
     presets = _presets(problem, est)
     preset_est = {n: est.estimate(p, keep_timeline=False) for n, p in presets.items()}
@@ -140,7 +142,7 @@ def search(problem: PlacementProblem, *, time_limit: float = 60.0, seed: int = 0
     # The search walks over candidates only, so the start is snapped to them: each call keeps
     # the preset's choice when it is a candidate, else the nearest one (same mesh first).
     calls = {}
-    for c in CALLS:
+    for c in calls_of:
         pl = start.calls[c]
         calls[c] = pl if pl in cands[c] else min(
             cands[c], key=lambda x: (x.mesh.ranks != pl.mesh.ranks, x.strategy != pl.strategy,
@@ -152,7 +154,7 @@ def search(problem: PlacementProblem, *, time_limit: float = 60.0, seed: int = 0
     improved = True
     while improved and time.perf_counter() < greedy_deadline:
         improved = False
-        for c in CALLS:
+        for c in calls_of:
             for cand in cands[c]:
                 if time.perf_counter() >= greedy_deadline:
                     break
@@ -177,7 +179,7 @@ def search(problem: PlacementProblem, *, time_limit: float = 60.0, seed: int = 0
                 last_report = now
                 progress(min(1.0, (now - t0) / time_limit), best_c, steps)
         steps += 1
-        c = CALLS[rng.randrange(len(CALLS))]
+        c = calls_of[rng.randrange(len(calls_of))]
         move = rng.random()
         pl = cur.calls[c]
         if move < 0.5:
@@ -186,7 +188,7 @@ def search(problem: PlacementProblem, *, time_limit: float = 60.0, seed: int = 0
             same = [x for x in cands[c] if x.mesh.ranks == pl.mesh.ranks]
             cand = same[rng.randrange(len(same))] if same else pl
         else:
-            other = cur.calls[CALLS[rng.randrange(len(CALLS))]]
+            other = cur.calls[calls_of[rng.randrange(len(calls_of))]]
             cand = other if other in cands[c] else pl
         if cand == pl:
             continue
@@ -225,10 +227,10 @@ def enumerate_best(problem: PlacementProblem, *, estimator: Estimator | None = N
     if n > limit:
         raise PlacementError(f"{n} plans are too many to enumerate (limit {limit}); use "
                              "search() or raise min_mesh_gpus")
-    offload = ("ref", "reward") if problem.offload_frozen else ()
+    offload = frozen_offload(problem)
     best, best_c = None, math.inf
-    for combo in itertools.product(*(cands[c] for c in CALLS)):
-        plan = ExecutionPlan(dict(zip(CALLS, combo)), "enumerated", offload)
+    for combo in itertools.product(*(cands[c] for c in problem.calls)):
+        plan = ExecutionPlan(dict(zip(problem.calls, combo)), "enumerated", offload)
         c = est.estimate(plan, keep_timeline=False).cost
         if c < best_c:
             best, best_c = plan, c

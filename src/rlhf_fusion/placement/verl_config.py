@@ -1,5 +1,5 @@
 """An execution plan as verl 0.9.1 configuration: resource pools, the role mapping they imply,
-and the Hydra overrides for ``python -m verl.trainer.main_ppo`` (``rlhf-fusion plan --verl``).
+and the Hydra overrides for ``python -m verl.trainer.main_ppo`` (``rlhf-fusion place --verl``).
 
 verl places roles by pool, and a pool is a GPU count per node, not a set of GPUs
 (``ResourcePoolManager(resource_pool_spec, mapping)``, verl/single_controller/ray/base.py:185).
@@ -75,41 +75,43 @@ def verl_config(plan: ExecutionPlan) -> VerlConfig:
     if _relation(c["ref_inf"].mesh, actor) != "same":
         cfg.notes.append(f"ref_inf on {c['ref_inf'].mesh}: verl 0.9.1 runs the Ref in "
                          f"global_pool with the Actor (trainer_base.py:803-809), so it stays there")
-    critic = c["critic_train"].mesh
-    rel = _relation(critic, actor)
-    if rel == "same":
-        cfg.mapping["critic"] = "global_pool"
-    elif rel == "disjoint":
-        cfg.pools["critic_pool"] = _pool(critic)
-        cfg.mapping["critic"] = "critic_pool"
-        cfg.overrides += [
-            "trainer.v1.trainer_mode=rlhf_fusion_sync",
-            "+ray_kwargs.ray_init.runtime_env.env_vars.RLHF_FUSION_VERL=overlap",
-            f"+rlhf_fusion.critic_pool.n_gpus_per_node={critic.n_gpus}",
-            f"+rlhf_fusion.critic_pool.nnodes={critic.n_nodes}"]
-    else:
-        cfg.mapping["critic"] = "global_pool"
-        cfg.notes.append(f"critic_train on {critic} shares only part of the Actor's GPUs: verl "
-                         f"pools are disjoint, so the Critic stays in global_pool")
-    if _relation(c["critic_inf"].mesh, critic) != "same":
-        cfg.notes.append(f"critic_inf on {c['critic_inf'].mesh}: verl computes values on the "
-                         f"Critic's training workers, so it runs on {critic}")
-    reward = c["reward_inf"].mesh
-    rel = _relation(reward, actor)
-    own_critic = cfg.mapping["critic"] == "critic_pool"
-    if rel == "disjoint" and (not own_critic or _relation(reward, critic) == "disjoint"):
-        cfg.pools["reward_pool"] = _pool(reward)
-        cfg.mapping["reward"] = "reward_pool"
-        cfg.overrides += ["reward.reward_model.enable_resource_pool=true",
-                          f"reward.reward_model.n_gpus_per_node={reward.n_gpus}",
-                          f"reward.reward_model.nnodes={reward.n_nodes}"]
-    else:
-        cfg.mapping["reward"] = "global_pool"
-        if rel != "same":
-            cfg.notes.append(f"reward_inf on {reward}: verl 0.9.1 puts a reward model in "
-                             f"global_pool or a reward_pool of its own GPUs, so with this plan "
-                             f"it stays in global_pool")
-    groups = {m.group for m in (actor, critic, reward)}
+    critic = c["critic_train"].mesh if "critic_train" in c else None
+    if critic is not None:   # a critic-free plan (GRPO, RLOO, REINFORCE++) maps no critic
+        rel = _relation(critic, actor)
+        if rel == "same":
+            cfg.mapping["critic"] = "global_pool"
+        elif rel == "disjoint":
+            cfg.pools["critic_pool"] = _pool(critic)
+            cfg.mapping["critic"] = "critic_pool"
+            cfg.overrides += [
+                "trainer.v1.trainer_mode=rlhf_fusion_sync",
+                "+ray_kwargs.ray_init.runtime_env.env_vars.RLHF_FUSION_VERL=overlap",
+                f"+rlhf_fusion.critic_pool.n_gpus_per_node={critic.n_gpus}",
+                f"+rlhf_fusion.critic_pool.nnodes={critic.n_nodes}"]
+        else:
+            cfg.mapping["critic"] = "global_pool"
+            cfg.notes.append(f"critic_train on {critic} shares only part of the Actor's GPUs: "
+                             f"verl pools are disjoint, so the Critic stays in global_pool")
+        if _relation(c["critic_inf"].mesh, critic) != "same":
+            cfg.notes.append(f"critic_inf on {c['critic_inf'].mesh}: verl computes values on "
+                             f"the Critic's training workers, so it runs on {critic}")
+    reward = c["reward_inf"].mesh if "reward_inf" in c else None
+    if reward is not None:   # without a reward model (a rule reward) verl maps none
+        rel = _relation(reward, actor)
+        own_critic = critic is not None and cfg.mapping["critic"] == "critic_pool"
+        if rel == "disjoint" and (not own_critic or _relation(reward, critic) == "disjoint"):
+            cfg.pools["reward_pool"] = _pool(reward)
+            cfg.mapping["reward"] = "reward_pool"
+            cfg.overrides += ["reward.reward_model.enable_resource_pool=true",
+                              f"reward.reward_model.n_gpus_per_node={reward.n_gpus}",
+                              f"reward.reward_model.nnodes={reward.n_nodes}"]
+        else:
+            cfg.mapping["reward"] = "global_pool"
+            if rel != "same":
+                cfg.notes.append(f"reward_inf on {reward}: verl 0.9.1 puts a reward model in "
+                                 f"global_pool or a reward_pool of its own GPUs, so with this "
+                                 f"plan it stays in global_pool")
+    groups = {m.group for m in (actor, critic, reward) if m is not None}
     if len(groups) > 1:
         cfg.notes.append(f"the plan uses device groups {sorted(groups)}: a verl pool is a GPU "
                          f"count, so Ray must be told which nodes hold which GPUs (node labels)")

@@ -1,7 +1,10 @@
-"""`rlhf-fusion plan-migration`: simulate R_t over 5%-95% of the batch and print the choice.
+"""`rlhf-fusion tune-migration`: simulate R_t over 5%-95% of the batch and print the choice
+(R_t, the destinations m and the mechanism). Its old name `plan-migration` is a hidden alias
+for one release.
 
-The top-level CLI wires the sub-command to :func:`plan_migration_main` (or adds it to its own
-sub-parsers with :func:`add_plan_migration_parser` and calls :func:`run_plan_migration`).
+The top-level CLI adds the sub-command to its sub-parsers with
+:func:`add_tune_migration_parser` and calls :func:`run_tune_migration`;
+:func:`tune_migration_main` is the same as a program of its own.
 """
 
 from __future__ import annotations
@@ -38,8 +41,8 @@ _CLUSTER_FLAGS = {
 }
 
 
-def add_plan_migration_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    """Add the plan-migration options to ``parser`` (a sub-parser or a fresh one)."""
+def add_tune_migration_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the tune-migration options to ``parser`` (a sub-parser or a fresh one)."""
     parser.add_argument("--preset", default="llama13b-h100x64", choices=sorted(PRESETS),
                         help="cluster and workload to start from (flags below override it)")
     g = parser.add_argument_group("response lengths (default: the preset's lognormal)")
@@ -128,13 +131,13 @@ def plot_plan(plan: MigrationPlan, path: Path, title: str = "") -> None:
     plt.close(fig)
 
 
-def run_plan_migration(args: argparse.Namespace) -> int:
+def run_tune_migration(args: argparse.Namespace) -> int:
     try:
         dist, cluster, batch = _build(args)
         plan = plan_migration(dist, cluster, batch, grid=rt_grid(batch, points=args.points),
                               trials=args.trials, seed=args.seed, progress=not args.quiet)
     except RolloutConfigError as exc:
-        print(f"plan-migration: error: {exc}", file=sys.stderr)
+        print(f"rlhf-fusion tune-migration: error: {exc}", file=sys.stderr)
         return 2
     print(f"lengths: median {dist.median:.0f}, p99/median {dist.tail_ratio:.1f}; batch {batch}, "
           f"{cluster.instances} instances, BS_max {cluster.bs_max}, "
@@ -150,14 +153,19 @@ def run_plan_migration(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_migration_main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of `rlhf-fusion plan-migration`; returns the exit status."""
-    parser = add_plan_migration_parser(argparse.ArgumentParser(
-        prog="rlhf-fusion plan-migration",
+def tune_migration_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `rlhf-fusion tune-migration`; returns the exit status."""
+    parser = add_tune_migration_parser(argparse.ArgumentParser(
+        prog="rlhf-fusion tune-migration",
         description="Simulate inter-stage fusion over R_t = 5%..95% of the batch and choose "
                     "R_t, the number of destination instances m and the migration mechanism."))
-    return run_plan_migration(parser.parse_args(argv))
+    return run_tune_migration(parser.parse_args(argv))
 
+
+# The names before `plan-migration` became `tune-migration` (one release).
+plan_migration_main = tune_migration_main
+add_plan_migration_parser = add_tune_migration_parser
+run_plan_migration = run_tune_migration
 
 if __name__ == "__main__":
-    raise SystemExit(plan_migration_main())
+    raise SystemExit(tune_migration_main())

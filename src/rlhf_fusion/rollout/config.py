@@ -52,7 +52,7 @@ class RolloutConfig:
                     "(0, 1], e.g. 0.2")
             return max(1, round(self.rt_fraction * batch_size))
         raise RolloutConfigError("fused rollout needs R_t: set rt (samples) or rt_fraction "
-                                 "(or run `rlhf-fusion plan-migration` to choose one)")
+                                 "(or run `rlhf-fusion tune-migration` to choose one)")
 
     def migrates(self, batch_size: int) -> bool:
         """Whether a rollout of ``batch_size`` samples migrates: fused with R_t >= 1."""

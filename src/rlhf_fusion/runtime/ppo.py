@@ -8,6 +8,8 @@ pipeline, which is what makes the two comparable bit for bit.
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
@@ -21,25 +23,68 @@ KLMode = Literal["reward", "loss"]
 KLEstimator = Literal["k1", "k2", "k3"]
 
 
+# Keyword names before the runtime's PPOConfig took the loop's (and TRL's): old -> new. The
+# old ones still work for one release, with a DeprecationWarning.
+RENAMED_FIELDS = {"clip_eps": "cliprange", "value_clip_eps": "cliprange_value"}
+
+
+def _renamed(where: str, kw: dict[str, Any], names: dict[str, str]) -> dict[str, Any]:
+    for old, new in names.items():
+        if old in kw:
+            if new in kw:
+                raise TypeError(f"{where}: give {new} only ({old} is its old name)")
+            warnings.warn(f"{where}: {old} is deprecated; use {new}", DeprecationWarning,
+                          stacklevel=3)
+            kw[new] = kw.pop(old)
+    return kw
+
+
+def _old_keyword(where: str, kw: dict[str, Any], old: str, new: str) -> Any:
+    """The value given under a function's old keyword ``old`` (a DeprecationWarning)."""
+    unknown = sorted(set(kw) - {old})
+    if unknown:
+        raise TypeError(f"{where}() got unexpected keyword arguments {unknown}")
+    warnings.warn(f"{where}: {old} is deprecated; use {new}", DeprecationWarning, stacklevel=3)
+    return kw[old]
+
+
 @dataclass
 class PPOConfig:
     """Hyper-parameters of the PPO update shared by the pipelined and the single-device path.
 
+    The names and defaults are the loop's (``loop/config.py:PPOLoopConfig``, TRL's names):
+    ``cliprange``, ``cliprange_value``, ``kl_coef=0.05``, ``kl_estimator="k1"``; the old
+    ``clip_eps``/``value_clip_eps`` keywords still work for one release (DeprecationWarning).
     ``micro_batches`` is the number of micro-batches one optimizer step's batch is split into
     (per data-parallel replica); ``accumulate_batches`` steps the optimizers every that many
     batches. ``kl_mode="reward"`` means the KL penalty was already folded into the rewards by
-    the rollout side (see :func:`kl_penalized_rewards`); ``"loss"`` adds
-    ``kl_coef * KL(pi || ref)`` to the policy loss, which then needs ``ref_logprobs``.
+    the rollout side (see :func:`kl_penalized_rewards`; ``kl_coef`` is then unused here);
+    ``"loss"`` adds ``kl_coef * KL(pi || ref)`` to the policy loss, which then needs
+    ``ref_logprobs``.
     """
 
     micro_batches: int = 4
-    clip_eps: float = 0.2
-    value_clip_eps: float | None = 0.2
+    cliprange: float = 0.2
+    cliprange_value: float | None = 0.2
     kl_mode: KLMode = "reward"
-    kl_coef: float = 0.0
-    kl_estimator: KLEstimator = "k3"
+    kl_coef: float = 0.05
+    kl_estimator: KLEstimator = "k1"
     max_grad_norm: float | None = 1.0
     accumulate_batches: int = 1
+
+    @property
+    def clip_eps(self) -> float:
+        """Deprecated: :attr:`cliprange`."""
+        warnings.warn("PPOConfig.clip_eps is deprecated; use cliprange", DeprecationWarning,
+                      stacklevel=2)
+        return self.cliprange
+
+    @property
+    def value_clip_eps(self) -> float | None:
+        """Deprecated: :attr:`cliprange_value`."""
+        warnings.warn("PPOConfig.value_clip_eps is deprecated; use cliprange_value",
+                      DeprecationWarning, stacklevel=2)
+        return self.cliprange_value
 
     def __post_init__(self) -> None:
         if self.kl_mode not in ("reward", "loss"):
@@ -59,6 +104,17 @@ class PPOConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+_dataclass_init = PPOConfig.__init__
+
+
+@functools.wraps(_dataclass_init)
+def _init(self: PPOConfig, *args: Any, **kw: Any) -> None:
+    _dataclass_init(self, *args, **_renamed("PPOConfig", kw, RENAMED_FIELDS))
+
+
+PPOConfig.__init__ = _init  # type: ignore[method-assign]
 
 
 def logprobs_from_logits(logits: Tensor, input_ids: Tensor) -> Tensor:
@@ -106,16 +162,20 @@ def policy_loss(
     advantages: Tensor,
     action_mask: Tensor,
     *,
-    clip_eps: float = 0.2,
+    cliprange: float = 0.2,
     ref_logprobs: Tensor | None = None,
     kl_mode: KLMode = "reward",
-    kl_coef: float = 0.0,
-    kl_estimator: KLEstimator = "k3",
+    kl_coef: float = 0.05,
+    kl_estimator: KLEstimator = "k1",
+    **deprecated: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped PPO surrogate, token mean over the actions of the micro-batch."""
+    """Clipped PPO surrogate, token mean over the actions of the micro-batch (``clip_eps``:
+    the old name of ``cliprange``, deprecated)."""
+    if deprecated:
+        cliprange = _old_keyword("policy_loss", deprecated, "clip_eps", "cliprange")
     ratio = torch.exp(logprobs - old_logprobs)
     surr = torch.minimum(
-        ratio * advantages, ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps) * advantages
+        ratio * advantages, ratio.clamp(1.0 - cliprange, 1.0 + cliprange) * advantages
     )
     per_token = -surr
     stats: dict[str, Tensor] = {}
@@ -127,7 +187,8 @@ def policy_loss(
         stats["kl"] = masked_mean(kl.detach(), action_mask)
     loss = masked_mean(per_token, action_mask)
     with torch.no_grad():
-        stats["clip_frac"] = masked_mean(((ratio - 1.0).abs() > clip_eps).float(), action_mask)
+        stats["clip_frac"] = masked_mean(((ratio - 1.0).abs() > cliprange).float(),
+                                         action_mask)
         stats["approx_kl"] = masked_mean(old_logprobs - logprobs, action_mask)
     return loss, stats
 
@@ -138,13 +199,17 @@ def value_loss(
     returns: Tensor,
     action_mask: Tensor,
     *,
-    clip_eps: float | None = 0.2,
+    cliprange_value: float | None = 0.2,
+    **deprecated: Any,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped value loss ``0.5 * max((v - R)^2, (v_clip - R)^2)``, token mean."""
+    """Clipped value loss ``0.5 * max((v - R)^2, (v_clip - R)^2)``, token mean (``None``: no
+    clipping; ``clip_eps``: the old name of ``cliprange_value``, deprecated)."""
+    if deprecated:
+        cliprange_value = _old_keyword("value_loss", deprecated, "clip_eps", "cliprange_value")
     err = (values - returns).square()
     clip_frac = torch.zeros((), dtype=values.dtype, device=values.device)
-    if clip_eps is not None:
-        clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+    if cliprange_value is not None:
+        clipped = old_values + (values - old_values).clamp(-cliprange_value, cliprange_value)
         err_clipped = (clipped - returns).square()
         with torch.no_grad():  # TRL's val/clipfrac: where the clipped loss is the larger
             clip_frac = masked_mean((err_clipped > err).to(values.dtype), action_mask)
@@ -165,7 +230,7 @@ def actor_ppo_loss(
         mb["old_logprobs"],
         mb["advantages"],
         mb["action_mask"],
-        clip_eps=cfg.clip_eps,
+        cliprange=cfg.cliprange,
         ref_logprobs=mb.get("ref_logprobs"),
         kl_mode=cfg.kl_mode,
         kl_coef=cfg.kl_coef,
@@ -182,5 +247,5 @@ def critic_ppo_loss(
         mb["old_values"],
         mb["returns"],
         mb["action_mask"],
-        clip_eps=cfg.value_clip_eps,
+        cliprange_value=cfg.cliprange_value,
     )

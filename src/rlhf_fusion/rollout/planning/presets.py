@@ -1,4 +1,4 @@
-"""Named cluster configurations for the simulator (and `rlhf-fusion plan-migration --preset`).
+"""Named cluster configurations for the simulator (and `rlhf-fusion tune-migration --preset`).
 
 Numbers are derived from hardware figures, not fitted to any result; the derivation is in the
 comments so they can be re-derived for another cluster.
