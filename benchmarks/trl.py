@@ -65,21 +65,23 @@ class Phases:
     optimizer and scheduler steps where not in ``training``, advantages, logging). A wrapped
     call nested in another is charged to its own stage only."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Any = time.perf_counter) -> None:
+        self.clock = clock
         self._children: list[float] = []
         self.totals = dict.fromkeys(PHASES[:-1], 0.0)
         self.marks: list[tuple[float, float, dict[str, float]]] = []
+        self.wall: list[float] = []
 
     def wrap(self, fn: Any, phase: Any) -> Any:
         """``fn`` charged to ``phase`` (a stage name, or a function of no arguments giving it
         at call time)."""
         def timed(*a: Any, **k: Any) -> Any:
             self._children.append(0.0)
-            t0 = time.perf_counter()
+            t0 = self.clock()
             try:
                 return fn(*a, **k)
             finally:
-                dt = time.perf_counter() - t0
+                dt = self.clock() - t0
                 child = self._children.pop()
                 self.totals[phase() if callable(phase) else phase] += dt - child
                 if self._children:
@@ -87,11 +89,12 @@ class Phases:
         return timed
 
     def step_end(self) -> None:
-        self.marks.append((time.perf_counter(), time.process_time(), dict(self.totals)))
+        self.marks.append((self.clock(), time.process_time(), dict(self.totals)))
+        self.wall.append(time.perf_counter())
 
     @property
     def step_ends(self) -> list[float]:
-        return [t for t, _, _ in self.marks]
+        return self.wall
 
     def summary(self) -> dict[str, Any]:
         """Median seconds per timed step (every step after the first) of each stage, and the
@@ -174,7 +177,7 @@ def _grpo_run(args: argparse.Namespace, model_dir: str, fused: bool) -> dict[str
     from rlhf_fusion.integrations.trl.grpo import FusedGRPOTrainer
     from rlhf_fusion.testing.trl import tiny_prompt_dataset, tiny_tokenizer, vowel_reward
 
-    phases = Phases()
+    phases = Phases(time.thread_time if args.cpu_clock else time.perf_counter)
 
     class _Clock(TrainerCallback):
         def on_step_end(self, *a: Any, **k: Any) -> None:
@@ -485,7 +488,7 @@ def _ppo_run(args: argparse.Namespace, model_dir: str, fusion: Any) -> dict[str,
     from rlhf_fusion.integrations.trl import rollout as fused_rollout
     from rlhf_fusion.testing.trl import tiny_prompt_dataset, tiny_tokenizer
 
-    phases = Phases()
+    phases = Phases(time.thread_time if args.cpu_clock else time.perf_counter)
 
     class _Clock(TrainerCallback):
         def on_step_end(self, *a: Any, **k: Any) -> None:
@@ -633,6 +636,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--processes", type=int, default=1,
                     help="DDP over N spawned CPU processes (gloo, one torch thread each), "
                          "--batch split over them; results/trl_<algo>[_short]_ddp<N>.*")
+    ap.add_argument("--cpu-clock", action="store_true",
+                    help="time the stages in this thread's CPU seconds instead of wall seconds "
+                         "(with --threads 1: what each stage costs, whatever else the machine "
+                         "runs; samples/s stays wall-clock)")
     ap.add_argument("--threads", type=int, default=None,
                     help="torch intra-op threads of a one-process run (default: torch's)")
     ap.add_argument("--lr", type=float, default=1e-5,

@@ -16,7 +16,12 @@ from rlhf_fusion.rollout import (
     SampleSpec,
 )
 from rlhf_fusion.rollout.reference import ReferenceBackend
-from rlhf_fusion.rollout.sampling import derive_seed, keyed_sample, keyed_uniform
+from rlhf_fusion.rollout.sampling import (
+    derive_seed,
+    keyed_sample,
+    keyed_uniform,
+    keyed_uniform_torch,
+)
 from rlhf_fusion.rollout.wire import pack_tickets, unpack_tickets
 from rlhf_fusion.testing import build_causal_lm, tiny_config
 
@@ -53,6 +58,18 @@ def test_keyed_uniform_is_a_pure_function_of_the_key():
     # roughly uniform: mean of many draws near 1/2
     u = keyed_uniform(list(range(200)), [0] * 200, [0] * 200, 500)
     assert abs(u.mean() - 0.5) < 0.01
+
+
+def test_keyed_uniform_torch_gives_the_numpy_bits():
+    # The device path (logits on an accelerator) must draw the very noise the host path draws:
+    # keys with the top bit set, negative seeds and large ids exercise the signed/unsigned
+    # folding and the logical shifts.
+    seeds = [0, 1, -5, 2**63 + 7, 2**64 - 1, 12345678901234567] * 4
+    ids = [i * 7919 for i in range(24)]
+    pos = [i * 31 for i in range(24)]
+    a = keyed_uniform(seeds, ids, pos, 3001)
+    b = keyed_uniform_torch(seeds, ids, pos, 3001)
+    assert b.dtype == torch.float64 and torch.equal(torch.from_numpy(a), b)
 
 
 def test_keyed_sample_matches_softmax_frequencies():
