@@ -2,8 +2,17 @@
 same batch, same long-tailed completion lengths (from the model's own sampling).
 
     python benchmarks/trl.py                     # PPO (needs trl 1.12) and GRPO
+    python benchmarks/trl.py --short             # short completions: generation a small share
+    python benchmarks/trl.py --processes 2       # DDP over 2 CPU processes (gloo)
     python benchmarks/trl.py --algos grpo --quick      # a few seconds, what the smoke test runs
     python benchmarks/trl.py --cuda              # one GPU: Qwen2.5-0.5B-shaped, bf16, 1 seed
+
+Stock and fused runs alternate which goes first (``--pairs N``: N pairs per seed, the median
+pair's ratio), so drift in a shared machine's load does not pick the winner; every run prints
+its 1-minute load average and a per-stage split of the median step (generation, scoring,
+training, other: see :class:`Phases`), and records the process CPU seconds of its timed steps
+(``--threads 1 --cpu-clock``: stage times in CPU seconds, what each stage costs whatever else
+the machine runs).
 
 PPO: trl 1.12's ``PPOTrainer``, then ``FusedPPOTrainer`` with every plugin off (the same
 algorithm on our code: it must not be the source of the gain) and on; value and reward models

@@ -43,6 +43,25 @@ def table3() -> str:
     return "\n".join(lines)
 
 
+def _span(d: dict) -> str:
+    lo, hi = d["speedup_min"], d["speedup_max"]
+    return f"{lo:.2f}x" if len(d["seeds"]) == 1 else f"{lo:.2f}-{hi:.2f}x"
+
+
+def _trl_conditions(*files: dict) -> str:
+    """The machine's state beside a TRL figure: load averages seen, torch threads, pairs."""
+    loads = [float(v["load"]) for d in files for r in d["runs"]
+             for v in (r.get(k) for k in ("stock", "off", "fused")) if v and "load" in v
+             and v["load"] != "?"]
+    if not loads:
+        return ""
+    d = files[0]
+    pairs = d.get("pairs", 1)
+    return (f"; 1-minute load average {min(loads):.1f}-{max(loads):.1f} on the shared machine, "
+            f"torch threads {d.get('torch_threads', '?')}, stock and fused alternating"
+            + (f", the median of {pairs} pairs per seed" if pairs > 1 else ""))
+
+
 def others() -> str:
     out = []
     e2e = RESULTS / "e2e.json"
@@ -65,21 +84,30 @@ def others() -> str:
     if all(f.exists() for f in trl.values()):
         ppo, grpo = (json.loads(f.read_text()) for f in trl.values())
         w = ppo["workload"]
-
-        def span(d: dict) -> str:
-            lo, hi = d["speedup_min"], d["speedup_max"]
-            return f"{lo:.2f}x" if len(d["seeds"]) == 1 else f"{lo:.2f}-{hi:.2f}x"
-
         off = [r["off"]["samples_per_s"] / r["stock"]["samples_per_s"] for r in ppo["runs"]]
         out += [
             f"TRL (`benchmarks/trl.py`, {ppo['device']['cpu']}, {ppo['device']['cpu_cores']} "
             f"cores, one process, a {w['layers']}-layer hidden-{w['hidden']} Llama whose own "
             f"sampling gives long-tailed lengths, p99 about 6x the median; seeds "
-            f"{', '.join(map(str, ppo['seeds']))}): `FusedPPOTrainer` **{span(ppo)}** the "
+            f"{', '.join(map(str, ppo['seeds']))}{_trl_conditions(ppo, grpo)}): "
+            f"`FusedPPOTrainer` **{_span(ppo)}** the "
             f"samples/s of trl 1.12's `PPOTrainer` (batch {w['batch']}, {w['ppo_epochs']} PPO "
             f"epochs; our trainer with every plugin off, the same arithmetic bit for bit, runs "
             f"{min(off):.2f}-{max(off):.2f}x, so the plugins give the rest); "
-            f"`FusedGRPOTrainer` **{span(grpo)}** stock `GRPOTrainer`.",
+            f"`FusedGRPOTrainer` **{_span(grpo)}** stock `GRPOTrainer`.",
+            "",
+        ]
+    short = {a: RESULTS / f"trl_{a}_short.json" for a in ("ppo", "grpo")}
+    if all(f.exists() for f in short.values()):
+        ppo, grpo = (json.loads(f.read_text()) for f in short.values())
+        w = ppo["workload"]
+        out += [
+            f"Short completions (`benchmarks/trl.py --short`: {w['layers']} layers, hidden "
+            f"{w['hidden']}, EOS bias {w['eos_bias']:g}, so the median completion is a few "
+            f"tokens and generation a small share of the step; seeds "
+            f"{', '.join(map(str, ppo['seeds']))}{_trl_conditions(ppo, grpo)}): PPO "
+            f"**{_span(ppo)}**, GRPO **{_span(grpo)}**; per-stage seconds in "
+            "`benchmarks/results/trl_{ppo,grpo}_short.md`.",
             "",
         ]
     fp = RESULTS / "fused_pipeline.json"

@@ -72,9 +72,15 @@ class FusedRolloutMixin:
     #: Score finished samples while the rest decode (False: generate everything first, then
     #: score; the same numbers, what tests compare streaming against).
     score_while_decoding: bool = True
-    #: Samples per scoring micro-batch (at most TRL's per-device batch). Small, so early
-    #: finishers are scored at their own width instead of the batch's longest completion.
+    #: Samples per scoring micro-batch (at most TRL's per-device batch) where samples are
+    #: scored in fixed chunks: after generation without streaming, and the chunks the
+    #: processes freed by migration take from the shared stream.
     stream_micro_batch: int = 8
+    #: While decoding, finished samples wait until they fill this many padded tokens (or TRL's
+    #: per-device batch) and are then scored in one pass (see
+    #: :func:`~rlhf_fusion.integrations.trl.scoring.pass_is_full`): early finishers are still
+    #: scored at about their own width, and short completions do not pay one pass per 8.
+    stream_min_tokens: int = 1024
     #: Model types (``config.model_type``) whose transformers forward is known to honour a
     #: custom 4D mask and explicit ``position_ids`` as the padded forward uses them; other
     #: models take TRL's padded forward under ``fusion.padding_free``.
@@ -229,11 +235,11 @@ class FusedRolloutMixin:
                 finished = backend.step()
                 done.extend(finished)
                 pending.extend(finished)
-                if stream and len(pending) >= scorer.micro_batch:  # type: ignore[union-attr]
-                    scorer.score(pending)  # type: ignore[union-attr]
+                if stream and scorer.ready(pending):  # type: ignore[union-attr]
+                    scorer.score(pending, rows=scorer.max_rows)  # type: ignore[union-attr]
                     pending = []
             if scorer is not None:
-                scorer.score(pending)
+                scorer.score(pending, rows=scorer.max_rows if stream else None)
             results = sorted(done, key=lambda r: r.sample_id)
         self._fusion_round += 1
         if [r.sample_id for r in results] != list(range(offset, offset + n)):
@@ -371,11 +377,18 @@ class FusedRolloutMixin:
 
     # -- scoring --------------------------------------------------------------------------------
     def _decode_completion(self, batch: StreamBatch, r: SampleResult) -> Any:
-        """The completion as TRL's ``_generate`` decodes it (plain text or one assistant turn)."""
+        """The completion as TRL's ``_generate`` decodes it (plain text or one assistant turn);
+        decoded once per sample (the scorer's reward pass and the batch's list share it)."""
         from trl.data_utils import is_conversational
 
-        t: Any = self
-        text = t.processing_class.batch_decode([list(r.token_ids)], skip_special_tokens=True)[0]
+        done = batch.decoded.get(r.sample_id)
+        if done is not None and done[0] == r.token_ids:
+            text = done[1]
+        else:
+            t: Any = self
+            text = t.processing_class.batch_decode([list(r.token_ids)],
+                                                   skip_special_tokens=True)[0]
+            batch.decoded[r.sample_id] = (r.token_ids, text)
         prompt = batch.inputs[r.sample_id - batch.offset]["prompt"]
         if is_conversational({"prompt": prompt}):
             return [{"role": "assistant", "content": text}]
