@@ -84,9 +84,10 @@ class StreamScorer:
         self.trainer = trainer
         self.batch = batch
         self.specs = {s.sample_id: s for s in specs}
-        self.micro_batch = max(1, min(int(t.args.per_device_train_batch_size),
-                                      int(trainer.stream_micro_batch)))
-        self.max_rows = max(1, int(t.args.per_device_train_batch_size))
+        per_device = max(1, int(t.args.per_device_train_batch_size))
+        cap = trainer.stream_micro_batch
+        self.micro_batch = max(1, min(per_device, int(cap or 8)))
+        self.max_rows = max(1, min(per_device, int(cap or per_device)))
         self.min_tokens = int(trainer.stream_min_tokens)
         mult = getattr(t, "pad_to_multiple_of", None)
         width = max(len(s.prompt_ids) for s in specs)

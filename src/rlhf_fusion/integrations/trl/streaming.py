@@ -72,14 +72,15 @@ class FusedRolloutMixin:
     #: Score finished samples while the rest decode (False: generate everything first, then
     #: score; the same numbers, what tests compare streaming against).
     score_while_decoding: bool = True
-    #: Samples per scoring micro-batch (at most TRL's per-device batch) where samples are
-    #: scored in fixed chunks: after generation without streaming, and the chunks the
-    #: processes freed by migration take from the shared stream.
-    stream_micro_batch: int = 8
-    #: While decoding, finished samples wait until they fill this many padded tokens (or TRL's
-    #: per-device batch) and are then scored in one pass (see
-    #: :func:`~rlhf_fusion.integrations.trl.scoring.pass_is_full`): early finishers are still
-    #: scored at about their own width, and short completions do not pay one pass per 8.
+    #: Most samples per scoring pass while decoding (at most TRL's per-device batch; None: the
+    #: per-device batch). Finished samples wait until they fill a pass: this many, or
+    #: ``stream_min_tokens`` padded tokens (see
+    #: :func:`~rlhf_fusion.integrations.trl.scoring.pass_is_full`), so early finishers are
+    #: scored at about their own width and short completions do not pay a pass's fixed cost
+    #: every few samples. Where samples are scored in fixed chunks (after generation without
+    #: streaming; the chunks processes freed by migration take from the shared stream), a
+    #: chunk holds this many, 8 when None.
+    stream_micro_batch: int | None = None
     stream_min_tokens: int = 1024
     #: Model types (``config.model_type``) whose transformers forward is known to honour a
     #: custom 4D mask and explicit ``position_ids`` as the padded forward uses them; other
