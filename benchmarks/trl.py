@@ -689,7 +689,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (5 if args.cuda else 6)
     if args.quick:
         args.steps, args.batch, args.generations, args.max_new_tokens = 2, 8, 4, 16
-        args.micro = min(args.micro, args.batch)
+        args.micro = min(args.micro, args.batch // args.processes)
     seeds = args.seeds or ([0] if args.quick or args.cuda else [0, 1, 2])
     for algo in args.algos:
         bench, write = BENCHES[algo]
