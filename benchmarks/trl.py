@@ -398,7 +398,7 @@ def _write(algo: str, title: str, variants: Sequence[str], args: argparse.Namesp
         "command": "python benchmarks/trl.py " + " ".join(sys.argv[1:]),
         "workload": {k: getattr(args, k) for k in workload},
         "processes": args.processes, "pairs": args.pairs,
-        "torch_threads": _torch_threads(),
+        "torch_threads": 1 if args.processes > 1 else _torch_threads(),  # run_ranks: 1
         "seeds": [seed for seed, _ in runs],
         "speedup_min": min(speedups), "speedup_max": max(speedups),
         "cpu_speedup_min": min(cpu), "cpu_speedup_max": max(cpu),

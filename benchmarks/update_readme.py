@@ -55,7 +55,7 @@ def _span(d: dict) -> str:
     return out
 
 
-def _trl_conditions(*files: dict) -> str:
+def _trl_conditions(*files: dict, threads: bool = True) -> str:
     """The machine's state beside a TRL figure: load averages seen, torch threads, pairs."""
     loads = [float(v["load"]) for d in files for r in d["runs"]
              for v in (r.get(k) for k in ("stock", "off", "fused")) if v and "load" in v
@@ -64,8 +64,9 @@ def _trl_conditions(*files: dict) -> str:
         return ""
     d = files[0]
     pairs = d.get("pairs", 1)
-    return (f"; 1-minute load average {min(loads):.1f}-{max(loads):.1f} on the shared machine, "
-            f"torch threads {d.get('torch_threads', '?')}, stock and fused alternating"
+    return (f"; 1-minute load average {min(loads):.1f}-{max(loads):.1f} on the shared machine"
+            + (f", torch threads {d.get('torch_threads', '?')}" if threads else "")
+            + ", stock and fused alternating"
             + (f", the median of {pairs} pairs per seed" if pairs > 1 else ""))
 
 
@@ -125,7 +126,7 @@ def others() -> str:
             algo = f.stem.split("_")[1].upper()
             kind = "short-completion" if d["workload"].get("short") else "default"
             parts.append(f"{algo} ({kind} workload, seeds "
-                         f"{', '.join(map(str, d['seeds']))}{_trl_conditions(d)}) "
+                         f"{', '.join(map(str, d['seeds']))}{_trl_conditions(d, threads=False)}) "
                          f"**{_span(d)}**")
         out += [f"Over {d['processes']} DDP processes (`benchmarks/trl.py --processes "
                 f"{d['processes']}`, gloo, one torch thread each, the batch split over them): "
