@@ -298,7 +298,9 @@ class FusedRolloutMixin:
         Values are TRL's on every completion token the mask keeps; masked completion positions
         hold 0 (TRL 1.16 gives 0 there too; TRL 1.12's values there are multiplied by the mask
         everywhere they are used). At most ``batch_size`` bins per forward, each as wide as
-        TRL's rows, and with logits no more logits than TRL's chunk would hold.
+        TRL's rows, and with logits no more logits than TRL's chunk would hold; with several
+        processes, exactly as many forwards as TRL's (the count must agree across processes),
+        each of at most ``batch_size`` bins.
         """
         call = dict(zip(logps_options(self._stock), args))
         call.update(kwargs)
@@ -318,7 +320,18 @@ class FusedRolloutMixin:
         if packed.rows >= rows or completion_targets(packed, width - k) is None:
             return None  # nothing saved, or a token TRL predicts from a padding position
         per = int(batch_size or rows)
-        if style == "logits":  # TRL's chunk holds [per, K + 1, V] logits; ours [bins, T, V]
+        t: Any = self
+        if t.accelerator.num_processes > 1:
+            # Every process must run as many forwards as the others: a DDP forward broadcasts
+            # buffers (and ZeRO-3/FSDP ones gather weights), so one extra forward on one
+            # process deadlocks the next collective. TRL runs ceil(rows / batch_size) forwards
+            # and every process holds the same number of rows: run that many (the bins split
+            # evenly over them), or TRL's own forward where there are fewer bins than that.
+            forwards = -(-rows // per)
+            if packed.rows < forwards:
+                return None
+            per = -(-packed.rows // forwards)
+        elif style == "logits":  # TRL's chunk holds [per, K + 1, V] logits; ours [bins, T, V]
             per = max(1, min(per, per * (k + 1) // width))
         outs, logps, ents = [], [], []
         for start in range(0, packed.rows, per):
