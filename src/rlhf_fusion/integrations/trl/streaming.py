@@ -330,12 +330,14 @@ class FusedRolloutMixin:
             forwards = -(-rows // per)
             if packed.rows < forwards:
                 return None
-            per = -(-packed.rows // forwards)
-        elif style == "logits":  # TRL's chunk holds [per, K + 1, V] logits; ours [bins, T, V]
-            per = max(1, min(per, per * (k + 1) // width))
+            cuts = [i * packed.rows // forwards for i in range(forwards + 1)]
+        else:
+            if style == "logits":  # TRL's chunk holds [per, K + 1, V] logits; ours [bins, T, V]
+                per = max(1, min(per, per * (k + 1) // width))
+            cuts = [*range(0, packed.rows, per), packed.rows]
         outs, logps, ents = [], [], []
-        for start in range(0, packed.rows, per):
-            part = packed.select(slice(start, start + per))
+        for start, stop in zip(cuts, cuts[1:]):
+            part = packed.select(slice(start, stop))
             lp, ent, out = self._packed_forward(model, part, width - k, style,
                                                 attention_mask_for(part.attention_mask, attn,
                                                                    dtype), compute_entropy)
