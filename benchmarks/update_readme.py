@@ -92,16 +92,26 @@ def others() -> str:
     if all(f.exists() for f in trl.values()):
         ppo, grpo = (json.loads(f.read_text()) for f in trl.values())
         w = ppo["workload"]
-        off = [r["off"]["samples_per_s"] / r["stock"]["samples_per_s"] for r in ppo["runs"]]
+        if all("cpu_s" in r["off"] for r in ppo["runs"]):  # robust on a busy machine
+            off = [r["stock"]["cpu_s"] / r["off"]["cpu_s"] for r in ppo["runs"]]
+            off_what = "in CPU seconds"
+        else:
+            off = [r["off"]["samples_per_s"] / r["stock"]["samples_per_s"] for r in ppo["runs"]]
+            off_what = "in samples/s"
+        off_s = f"{off[0]:.2f}x" if len(off) == 1 else f"{min(off):.2f}-{max(off):.2f}x"
+        seeds = f"seeds {', '.join(map(str, ppo['seeds']))}"
+        if grpo["seeds"] != ppo["seeds"]:
+            seeds = (f"seeds {', '.join(map(str, ppo['seeds']))} (PPO), "
+                     f"{', '.join(map(str, grpo['seeds']))} (GRPO)")
         out += [
             f"TRL (`benchmarks/trl.py`, {ppo['device']['cpu']}, {ppo['device']['cpu_cores']} "
             f"cores, one process, a {w['layers']}-layer hidden-{w['hidden']} Llama whose own "
-            f"sampling gives long-tailed lengths, p99 about 6x the median; seeds "
-            f"{', '.join(map(str, ppo['seeds']))}{_trl_conditions(ppo, grpo)}): "
+            f"sampling gives long-tailed lengths, p99 about 6x the median; "
+            f"{seeds}{_trl_conditions(ppo, grpo)}): "
             f"`FusedPPOTrainer` **{_span(ppo)}** the "
             f"samples/s of trl 1.12's `PPOTrainer` (batch {w['batch']}, {w['ppo_epochs']} PPO "
             f"epochs; our trainer with every plugin off, the same arithmetic bit for bit, runs "
-            f"{min(off):.2f}-{max(off):.2f}x, so the plugins give the rest); "
+            f"{off_s} {off_what}, so the plugins give the rest); "
             f"`FusedGRPOTrainer` **{_span(grpo)}** stock `GRPOTrainer`.",
             "",
         ]
