@@ -43,6 +43,33 @@ def table3() -> str:
     return "\n".join(lines)
 
 
+def _span(d: dict) -> str:
+    """Fused over stock samples/s, and (where recorded) over process CPU seconds per sample,
+    the figure a busy shared machine distorts least."""
+    def rng(lo: float, hi: float) -> str:
+        return f"{lo:.2f}x" if len(d["seeds"]) == 1 else f"{lo:.2f}-{hi:.2f}x"
+
+    out = rng(d["speedup_min"], d["speedup_max"])
+    if "cpu_speedup_min" in d:
+        out += f" (CPU seconds per sample: {rng(d['cpu_speedup_min'], d['cpu_speedup_max'])})"
+    return out
+
+
+def _trl_conditions(*files: dict, threads: bool = True) -> str:
+    """The machine's state beside a TRL figure: load averages seen, torch threads, pairs."""
+    loads = [float(v["load"]) for d in files for r in d["runs"]
+             for v in (r.get(k) for k in ("stock", "off", "fused")) if v and "load" in v
+             and v["load"] != "?"]
+    if not loads:
+        return ""
+    d = files[0]
+    pairs = d.get("pairs", 1)
+    return (f"; 1-minute load average {min(loads):.1f}-{max(loads):.1f} on the shared machine"
+            + (f", torch threads {d.get('torch_threads', '?')}" if threads else "")
+            + ", stock and fused alternating"
+            + (f", the median of {pairs} pairs per seed" if pairs > 1 else ""))
+
+
 def others() -> str:
     out = []
     e2e = RESULTS / "e2e.json"
@@ -65,23 +92,55 @@ def others() -> str:
     if all(f.exists() for f in trl.values()):
         ppo, grpo = (json.loads(f.read_text()) for f in trl.values())
         w = ppo["workload"]
-
-        def span(d: dict) -> str:
-            lo, hi = d["speedup_min"], d["speedup_max"]
-            return f"{lo:.2f}x" if len(d["seeds"]) == 1 else f"{lo:.2f}-{hi:.2f}x"
-
-        off = [r["off"]["samples_per_s"] / r["stock"]["samples_per_s"] for r in ppo["runs"]]
+        if all("cpu_s" in r["off"] for r in ppo["runs"]):  # robust on a busy machine
+            off = [r["stock"]["cpu_s"] / r["off"]["cpu_s"] for r in ppo["runs"]]
+            off_what = "in CPU seconds"
+        else:
+            off = [r["off"]["samples_per_s"] / r["stock"]["samples_per_s"] for r in ppo["runs"]]
+            off_what = "in samples/s"
+        off_s = f"{off[0]:.2f}x" if len(off) == 1 else f"{min(off):.2f}-{max(off):.2f}x"
+        seeds = f"seeds {', '.join(map(str, ppo['seeds']))}"
+        if grpo["seeds"] != ppo["seeds"]:
+            seeds = (f"seeds {', '.join(map(str, ppo['seeds']))} (PPO), "
+                     f"{', '.join(map(str, grpo['seeds']))} (GRPO)")
         out += [
             f"TRL (`benchmarks/trl.py`, {ppo['device']['cpu']}, {ppo['device']['cpu_cores']} "
             f"cores, one process, a {w['layers']}-layer hidden-{w['hidden']} Llama whose own "
-            f"sampling gives long-tailed lengths, p99 about 6x the median; seeds "
-            f"{', '.join(map(str, ppo['seeds']))}): `FusedPPOTrainer` **{span(ppo)}** the "
+            f"sampling gives long-tailed lengths, p99 about 6x the median; "
+            f"{seeds}{_trl_conditions(ppo, grpo)}): "
+            f"`FusedPPOTrainer` **{_span(ppo)}** the "
             f"samples/s of trl 1.12's `PPOTrainer` (batch {w['batch']}, {w['ppo_epochs']} PPO "
             f"epochs; our trainer with every plugin off, the same arithmetic bit for bit, runs "
-            f"{min(off):.2f}-{max(off):.2f}x, so the plugins give the rest); "
-            f"`FusedGRPOTrainer` **{span(grpo)}** stock `GRPOTrainer`.",
+            f"{off_s} {off_what}, so the plugins give the rest); "
+            f"`FusedGRPOTrainer` **{_span(grpo)}** stock `GRPOTrainer`.",
             "",
         ]
+    short = {a: RESULTS / f"trl_{a}_short.json" for a in ("ppo", "grpo")}
+    if all(f.exists() for f in short.values()):
+        ppo, grpo = (json.loads(f.read_text()) for f in short.values())
+        w = ppo["workload"]
+        out += [
+            f"Short completions (`benchmarks/trl.py --short`: {w['layers']} layers, hidden "
+            f"{w['hidden']}, EOS bias {w['eos_bias']:g}, so the median completion is a few "
+            f"tokens and generation a small share of the step; seeds "
+            f"{', '.join(map(str, ppo['seeds']))}{_trl_conditions(ppo, grpo)}): PPO "
+            f"**{_span(ppo)}**, GRPO **{_span(grpo)}**; per-stage seconds in "
+            "`benchmarks/results/trl_{ppo,grpo}_short.md`.",
+            "",
+        ]
+    ddp = sorted(RESULTS.glob("trl_*_ddp*.json"))
+    if ddp:
+        parts = []
+        for f in ddp:
+            d = json.loads(f.read_text())
+            algo = f.stem.split("_")[1].upper()
+            kind = "short-completion" if d["workload"].get("short") else "default"
+            parts.append(f"{algo} ({kind} workload, seeds "
+                         f"{', '.join(map(str, d['seeds']))}{_trl_conditions(d, threads=False)}) "
+                         f"**{_span(d)}**")
+        out += [f"Over {d['processes']} DDP processes (`benchmarks/trl.py --processes "
+                f"{d['processes']}`, gloo, one torch thread each, the batch split over them): "
+                + "; ".join(parts) + ".", ""]
     fp = RESULTS / "fused_pipeline.json"
     if fp.exists():
         d = json.loads(fp.read_text())

@@ -275,3 +275,21 @@ def test_two_process_migration_gives_the_same_batch(tailed_model_dir, tmp_path):
         m = torch.tensor(local["completion_mask"]).bool()
         assert torch.allclose(torch.tensor(migrated["ref"])[m], torch.tensor(local["ref"])[m],
                               atol=1e-5, rtol=0)
+
+
+def test_a_scoring_pass_waits_for_enough_padded_tokens_or_rows():
+    from rlhf_fusion.integrations.trl.scoring import pass_is_full
+    from rlhf_fusion.rollout.types import SampleResult
+
+    def done(n: int, length: int) -> list[SampleResult]:
+        return [SampleResult(sample_id=i, prompt_ids=(2,), token_ids=(3,) * length,
+                             logprobs=(0.0,) * length, finish_reason="stop")
+                for i in range(n)]
+
+    # Short completions: 8 finished samples of width 10 + 4 are far from one pass's worth
+    # of tokens, so they wait (scoring them now would pay a pass's fixed cost for 112 tokens).
+    assert not pass_is_full(done(8, 4), 10, max_rows=64, min_tokens=1024)
+    assert pass_is_full(done(74, 4), 10, max_rows=128, min_tokens=1024)  # 74 x 14 >= 1024
+    assert pass_is_full(done(8, 120), 10, max_rows=64, min_tokens=1024)  # 8 x 130 >= 1024
+    assert pass_is_full(done(4, 4), 10, max_rows=4, min_tokens=1024)     # a full batch
+    assert not pass_is_full([], 10, max_rows=1, min_tokens=0)

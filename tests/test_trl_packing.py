@@ -216,6 +216,33 @@ def test_batch_size_chunks_the_packed_bins(model_dir, tmp_path, monkeypatch):
     assert torch.allclose(whole[keep], chunked[keep], atol=1e-6, rtol=0)
 
 
+def test_several_processes_run_as_many_forwards_as_trl(model_dir, tmp_path, monkeypatch):
+    # A DDP forward is a collective (it broadcasts buffers): each process must run as many
+    # forwards as the others, whatever its own packing gives. TRL runs ceil(rows / batch_size).
+    trainer = make("grpo", model_dir, tmp_path, FusionConfig())
+    ids, mask = ragged_batch(vocab=trainer.model.config.vocab_size)
+    keep = mask[:, PROMPT:].bool()
+    monkeypatch.setattr(type(trainer.accelerator), "num_processes", property(lambda _: 2))
+    with torch.no_grad():
+        whole, _, _ = trainer._get_per_token_logps_and_entropies(
+            trainer.model, ids, mask, COMPLETION)
+        for batch_size, forwards in ((3, 3), (8, 1), (None, 1)):
+            shapes: list = []
+            count_forwards(monkeypatch, trainer.model, shapes)
+            got, _, _ = trainer._get_per_token_logps_and_entropies(
+                trainer.model, ids, mask, COMPLETION, batch_size=batch_size)
+            monkeypatch.setattr(trainer.model, "forward", trainer.model.forward.__wrapped__)
+            assert len(shapes) == forwards, (batch_size, shapes)
+            assert all(s[0] < ids.shape[0] for s in shapes)  # packed, not TRL's padded rows
+            assert torch.allclose(whole[keep], got[keep], atol=1e-6, rtol=0)
+        # Fewer bins than TRL's forwards: TRL's own forward (one row per forward here).
+        shapes = []
+        count_forwards(monkeypatch, trainer.model, shapes)
+        trainer._get_per_token_logps_and_entropies(trainer.model, ids, mask, COMPLETION,
+                                                   batch_size=1)
+        assert len(shapes) == ids.shape[0] and all(s[0] == 1 for s in shapes)
+
+
 def test_unsupported_inputs_take_trls_padded_forward(model_dir, tmp_path, monkeypatch):
     trainer = make("grpo", model_dir, tmp_path, FusionConfig())
     model = trainer.model

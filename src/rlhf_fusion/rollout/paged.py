@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -183,6 +183,9 @@ class PagedContext:
     block_table: torch.Tensor | None = None
     seq_lens: torch.Tensor | None = None
     triton_fn: Callable[..., torch.Tensor] | None = None
+    #: What every layer of one decode step reads the same way (the padded gather index),
+    #: built by the first layer.
+    per_step: dict[str, Any] = field(default_factory=dict)
 
 
 def _write(ctx: PagedContext, layer: int, key: torch.Tensor, value: torch.Tensor) -> None:
@@ -213,14 +216,18 @@ def _decode_torch(
     gqa = query.shape[1] != k.shape[1]
     lmax = max(n for _, n in ctx.spans)
     if lmax <= PADDED_MAX_LEN:
-        pos = torch.arange(lmax, device=k.device)
-        starts = torch.tensor([a for a, _ in ctx.spans], device=k.device)
-        lens = torch.tensor([n for _, n in ctx.spans], device=k.device)
-        valid = pos[None, :] < lens[:, None]
-        idx = torch.where(valid, starts[:, None] + pos[None, :], starts[:, None])
+        gather = ctx.per_step.get("padded")
+        if gather is None:
+            pos = torch.arange(lmax, device=k.device)
+            starts = torch.tensor([a for a, _ in ctx.spans], device=k.device)
+            lens = torch.tensor([n for _, n in ctx.spans], device=k.device)
+            valid = pos[None, :] < lens[:, None]
+            idx = torch.where(valid, starts[:, None] + pos[None, :], starts[:, None])
+            gather = ctx.per_step["padded"] = (idx, valid[:, None, None])
+        idx, mask = gather
         keys = k[idx].transpose(1, 2).to(query.dtype)
         vals = v[idx].transpose(1, 2).to(query.dtype)
-        return F.scaled_dot_product_attention(query, keys, vals, attn_mask=valid[:, None, None],
+        return F.scaled_dot_product_attention(query, keys, vals, attn_mask=mask,
                                               scale=scaling, enable_gqa=gqa)
     outs = []
     for i, (start, length) in enumerate(ctx.spans):

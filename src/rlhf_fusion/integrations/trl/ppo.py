@@ -531,7 +531,8 @@ class FusedPPOTrainer(_BaseTrainer):
                            reward=self.reward_model, query_rows=query_rows, pad_id=pad_id,
                            fill_id=fill_id, stop_id=self.stop_token_id,
                            temperature=args.temperature,
-                           micro_batch=max(1, min(8, args.local_rollout_forward_batch_size)))
+                           micro_batch=max(1, min(8, args.local_rollout_forward_batch_size)),
+                           max_rows=args.local_rollout_forward_batch_size)
         stats: dict[str, Any] = {"time/weight_sync": t_sync}
         sharded = self._sharded()
         if world > 1 and self.fusion.migrate:
@@ -566,10 +567,10 @@ class FusedPPOTrainer(_BaseTrainer):
         scored: list[Any] = []
         while backend.unfinished():
             done.extend(backend.step())
-            if stream and len(done) >= scorer.micro_batch:
-                scored.extend(scorer.score(done))
+            if stream and scorer.ready(done):
+                scored.extend(scorer.score(done, rows=scorer.max_rows))
                 done = []
-        scored.extend(scorer.score(done))
+        scored.extend(scorer.score(done, rows=scorer.max_rows))
         return scored
 
     def _migrating_rollout(self, backend: Any, scorer: RowScorer, specs: list[Any],

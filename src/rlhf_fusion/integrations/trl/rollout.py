@@ -181,20 +181,35 @@ class RowScorer:
 
     def __init__(self, *, ref: nn.Module, critic: nn.Module, reward: nn.Module,
                  query_rows: dict[int, Tensor], pad_id: int, fill_id: int, stop_id: int | None,
-                 temperature: float, micro_batch: int) -> None:
+                 temperature: float, micro_batch: int, max_rows: int | None = None,
+                 min_tokens: int = 1024) -> None:
         self.ref, self.critic, self.reward = ref, critic, reward
         self.query_rows = query_rows
         self.pad_id, self.fill_id, self.stop_id = pad_id, fill_id, stop_id
         self.temperature = temperature
         self.micro_batch = micro_batch
+        self.max_rows = max_rows or micro_batch
+        self.min_tokens = min_tokens
         self.seconds = 0.0
         self.calls: list[tuple[int, float]] = []
 
-    def score(self, samples: Sequence[SampleResult]) -> list[ScoredSample]:
+    def ready(self, pending: Sequence[SampleResult]) -> bool:
+        """Whether the finished samples waiting to be scored fill one scoring pass (``max_rows``
+        rows or ``min_tokens`` padded tokens; see :func:`.scoring.pass_is_full`)."""
+        from .scoring import pass_is_full
+
+        width = max((int(self.query_rows[s.sample_id].numel()) for s in pending), default=0)
+        return pass_is_full(pending, width + 1, max_rows=self.max_rows,
+                            min_tokens=self.min_tokens)
+
+    def score(self, samples: Sequence[SampleResult], rows: int | None = None
+              ) -> list[ScoredSample]:
+        """Score ``samples`` in passes of ``rows`` (default :attr:`micro_batch`) samples."""
         out: list[ScoredSample] = []
-        for i in range(0, len(samples), self.micro_batch):
+        rows = rows or self.micro_batch
+        for i in range(0, len(samples), rows):
             t = time.perf_counter()
-            chunk = samples[i: i + self.micro_batch]
+            chunk = samples[i: i + rows]
             out.extend(self._score(chunk))
             dt = time.perf_counter() - t
             self.seconds += dt

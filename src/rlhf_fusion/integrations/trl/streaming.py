@@ -81,9 +81,16 @@ class FusedRolloutMixin:
     #: Score finished samples while the rest decode (False: generate everything first, then
     #: score; the same numbers, what tests compare streaming against).
     score_while_decoding: bool = True
-    #: Samples per scoring micro-batch (at most TRL's per-device batch). Small, so early
-    #: finishers are scored at their own width instead of the batch's longest completion.
-    stream_micro_batch: int = 8
+    #: Most samples per scoring pass while decoding (at most TRL's per-device batch; None: the
+    #: per-device batch). Finished samples wait until they fill a pass: this many, or
+    #: ``stream_min_tokens`` padded tokens (see
+    #: :func:`~rlhf_fusion.integrations.trl.scoring.pass_is_full`), so early finishers are
+    #: scored at about their own width and short completions do not pay a pass's fixed cost
+    #: every few samples. Where samples are scored in fixed chunks (after generation without
+    #: streaming; the chunks processes freed by migration take from the shared stream), a
+    #: chunk holds this many, 8 when None.
+    stream_micro_batch: int | None = None
+    stream_min_tokens: int = 1024
     #: Model types (``config.model_type``) whose transformers forward is known to honour a
     #: custom 4D mask and explicit ``position_ids`` as the padded forward uses them; other
     #: models take TRL's padded forward under ``fusion.padding_free``.
@@ -277,11 +284,11 @@ class FusedRolloutMixin:
                 finished = backend.step()
                 done.extend(finished)
                 pending.extend(finished)
-                if stream and len(pending) >= scorer.micro_batch:  # type: ignore[union-attr]
-                    scorer.score(pending)  # type: ignore[union-attr]
+                if stream and scorer.ready(pending):  # type: ignore[union-attr]
+                    scorer.score(pending, rows=scorer.max_rows)  # type: ignore[union-attr]
                     pending = []
             if scorer is not None:
-                scorer.score(pending)
+                scorer.score(pending, rows=scorer.max_rows if stream else None)
             results = sorted(done, key=lambda r: r.sample_id)
         self._fusion_round += 1
         if [r.sample_id for r in results] != list(range(offset, offset + n)):
@@ -339,7 +346,9 @@ class FusedRolloutMixin:
         Values are TRL's on every completion token the mask keeps; masked completion positions
         hold 0 (TRL 1.16 gives 0 there too; TRL 1.12's values there are multiplied by the mask
         everywhere they are used). At most ``batch_size`` bins per forward, each as wide as
-        TRL's rows, and with logits no more logits than TRL's chunk would hold.
+        TRL's rows, and with logits no more logits than TRL's chunk would hold; with several
+        processes, exactly as many forwards as TRL's (the count must agree across processes),
+        each of at most ``batch_size`` bins.
         """
         call = dict(zip(logps_options(self._stock), args))
         call.update(kwargs)
@@ -359,11 +368,24 @@ class FusedRolloutMixin:
         if packed.rows >= rows or completion_targets(packed, width - k) is None:
             return None  # nothing saved, or a token TRL predicts from a padding position
         per = int(batch_size or rows)
-        if style == "logits":  # TRL's chunk holds [per, K + 1, V] logits; ours [bins, T, V]
-            per = max(1, min(per, per * (k + 1) // width))
+        t: Any = self
+        if t.accelerator.num_processes > 1:
+            # Every process must run as many forwards as the others: a DDP forward broadcasts
+            # buffers (and ZeRO-3/FSDP ones gather weights), so one extra forward on one
+            # process deadlocks the next collective. TRL runs ceil(rows / batch_size) forwards
+            # and every process holds the same number of rows: run that many (the bins split
+            # evenly over them), or TRL's own forward where there are fewer bins than that.
+            forwards = -(-rows // per)
+            if packed.rows < forwards:
+                return None
+            cuts = [i * packed.rows // forwards for i in range(forwards + 1)]
+        else:
+            if style == "logits":  # TRL's chunk holds [per, K + 1, V] logits; ours [bins, T, V]
+                per = max(1, min(per, per * (k + 1) // width))
+            cuts = [*range(0, packed.rows, per), packed.rows]
         outs, logps, ents = [], [], []
-        for start in range(0, packed.rows, per):
-            part = packed.select(slice(start, start + per))
+        for start, stop in zip(cuts, cuts[1:]):
+            part = packed.select(slice(start, stop))
             lp, ent, out = self._packed_forward(model, part, width - k, style,
                                                 attention_mask_for(part.attention_mask, attn,
                                                                    dtype), compute_entropy)
@@ -419,11 +441,18 @@ class FusedRolloutMixin:
 
     # -- scoring --------------------------------------------------------------------------------
     def _decode_completion(self, batch: StreamBatch, r: SampleResult) -> Any:
-        """The completion as TRL's ``_generate`` decodes it (plain text or one assistant turn)."""
+        """The completion as TRL's ``_generate`` decodes it (plain text or one assistant turn);
+        decoded once per sample (the scorer's reward pass and the batch's list share it)."""
         from trl.data_utils import is_conversational
 
-        t: Any = self
-        text = t.processing_class.batch_decode([list(r.token_ids)], skip_special_tokens=True)[0]
+        done = batch.decoded.get(r.sample_id)
+        if done is not None and done[0] == r.token_ids:
+            text = done[1]
+        else:
+            t: Any = self
+            text = t.processing_class.batch_decode([list(r.token_ids)],
+                                                   skip_special_tokens=True)[0]
+            batch.decoded[r.sample_id] = (r.token_ids, text)
         prompt = batch.inputs[r.sample_id - batch.offset]["prompt"]
         if is_conversational({"prompt": prompt}):
             return [{"role": "assistant", "content": text}]
