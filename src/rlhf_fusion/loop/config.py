@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..rollout.backend_registry import backend_names
+from .algorithm_config import AlgorithmConfig, algorithm_from, check_algorithm
 from .errors import LoopConfigError
 from .placement import offload_names, placement_of
 
@@ -151,6 +152,7 @@ class RLHFConfig:
     ppo: PPOLoopConfig = field(default_factory=PPOLoopConfig)
     fusion: FusionLoopConfig = field(default_factory=FusionLoopConfig)
     placement: PlacementSection = field(default_factory=PlacementSection)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)   # loop/algorithm_config
     world_size: int = 2
     iterations: int = 10
     prompts: str | None = None  # a text file (one prompt a line) or JSONL with "prompt"
@@ -172,6 +174,8 @@ class RLHFConfig:
         for key, value in data.items():
             if key in sections:
                 kw[key] = _section(sections[key], key, value or {})
+            elif key == "algorithm":   # a name or a mapping
+                kw[key] = algorithm_from(value)
             else:
                 kw[key] = value
         return cls(**kw)
@@ -248,6 +252,7 @@ class RLHFConfig:
         sources, built on the meta device (unknown keys, missing folders, unknown reward
         rules, more pipeline stages than decoder layers)."""
         self._check_fields()
+        check_algorithm(self)
         g, p, f = self.generation, self.ppo, self.fusion
         if g.backend == "vllm":
             if not isinstance(self.models.actor, str):
@@ -270,7 +275,7 @@ class RLHFConfig:
                     "prompt); raise it, lower generation.max_new_tokens, or leave it unset "
                     "(no limit)")
         batch = g.prompts_per_iteration
-        if batch % p.num_mini_batches:
+        if batch % p.num_mini_batches and self.algorithm.n == 1:   # n > 1: check_algorithm's
             raise LoopConfigError(
                 f"ppo.num_mini_batches: {p.num_mini_batches} does not divide "
                 f"generation.prompts_per_iteration={batch}; use a divisor of {batch}")
