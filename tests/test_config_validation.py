@@ -46,7 +46,7 @@ BAD = [
     ("models.actor", {"family": "llama", "dropout": 0.1}, "unknown keys ['dropout']"),
     ("models.critic", "/no/such/model", "no such directory"),
     ("models.ref", ["llama"], "give a Hub id"),
-    ("models.reward", "vowelz", "is not a built-in rule (vowels)"),
+    ("models.reward", "vowelz", "is not a built-in rule (vowels, arithmetic)"),
     ("models.reward", "./no-reward-model", "no such directory"),
     ("models.tokenizer", "./no-tokenizer", "no such directory"),
     ("models.tokenizer", 3, "give a Hub id or a local tokenizer folder"),

@@ -19,6 +19,7 @@ from ..rollout.backend_registry import backend_names
 from .algorithm_config import AlgorithmConfig, algorithm_from, check_algorithm
 from .errors import LoopConfigError
 from .placement import offload_names, placement_of
+from .reward_functions import is_function_spec, resolve_reward_spec
 
 MECHANISMS = ("kv", "tokens", "auto")
 
@@ -32,7 +33,10 @@ class ModelsConfig:
     """The four models. ``critic``/``ref`` default to the actor's source (the Critic gets the
     actor's backbone and a new value head; the Ref is a frozen copy of the initial Actor).
     ``reward`` is a model source, a Python callable ``f(prompt, response) -> float`` (token ids
-    or, with a tokenizer, text), or the name of a built-in rule (``"vowels"``)."""
+    or, with a tokenizer, text), the name of a built-in rule (``"vowels"``, ``"arithmetic"``),
+    or reward functions by import path, called as TRL's (``{function: "pkg.mod:fn"}`` or
+    ``{functions: [{function: ..., weight: ...}, ...]}``, :mod:`.reward_functions`).
+    ``tokenizer``: a Hub id, a folder, or a built-in (``chars``, ``arithmetic``)."""
 
     actor: ModelSource = field(default_factory=lambda: {"family": "llama"})
     critic: ModelSource | None = None
@@ -307,7 +311,9 @@ class RLHFConfig:
         for name in ("critic", "ref"):
             if getattr(m, name) is not None:
                 _source(f"models.{name}", getattr(m, name))
-        if not callable(m.reward):
+        if is_function_spec(m.reward):   # imported now, before any rank starts
+            resolve_reward_spec(m.reward)
+        elif not callable(m.reward):
             _source("models.reward", m.reward)
         if m.tokenizer is not None and not (isinstance(m.tokenizer, str) and m.tokenizer):
             raise LoopConfigError(f"models.tokenizer: {m.tokenizer!r}; give a Hub id or a local "
