@@ -301,7 +301,7 @@ def _check_across(cfg: RLHFConfig, a: AlgorithmConfig) -> None:
                 "algorithm.use_kl_in_reward: true (verl) or algorithm.use_kl_loss: true")
     samples = samples_per_iteration(cfg)
     mb = cfg.ppo.num_mini_batches
-    if isinstance(mb, int) and mb >= 1 and samples % mb:
+    if a.n > 1 and isinstance(mb, int) and mb >= 1 and samples % mb:   # n 1: config.py's
         raise LoopConfigError(
             f"ppo.num_mini_batches: {mb} does not divide the {samples} samples of an "
             f"iteration (generation.prompts_per_iteration x algorithm.n); use a divisor of "
