@@ -12,6 +12,7 @@ from .advantages import (
     rloo_advantages,
     sequence_kl_penalized_scores,
 )
+from .kl_control import AdaptiveKLController, FixedKLController, kl_controller
 from .policy_loss import (
     LOSS_AGG_MODES,
     TRL_LOSS_TYPES,
@@ -22,6 +23,8 @@ from .policy_loss import (
 
 __all__ = [
     "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "FixedKLController",
     "TRL_LOSS_TYPES",
     "GroupStats",
     "agg_loss",
@@ -29,6 +32,7 @@ __all__ = [
     "discounted_returns",
     "group_stats",
     "grpo_advantages",
+    "kl_controller",
     "kl_penalty",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",
