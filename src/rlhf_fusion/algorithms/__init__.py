@@ -12,6 +12,7 @@ from .advantages import (
     rloo_advantages,
     sequence_kl_penalized_scores,
 )
+from .groups import GroupDone, GroupTracker
 from .kl_control import AdaptiveKLController, FixedKLController, kl_controller
 from .policy_loss import (
     LOSS_AGG_MODES,
@@ -25,6 +26,8 @@ __all__ = [
     "LOSS_AGG_MODES",
     "AdaptiveKLController",
     "FixedKLController",
+    "GroupDone",
+    "GroupTracker",
     "TRL_LOSS_TYPES",
     "GroupStats",
     "agg_loss",
