@@ -129,3 +129,26 @@ def test_grpo_fused_equals_serial_equals_one_process():
         for state in out["states"]:
             # one micro-batch per rank: the summed gradient is one device's, bit for bit
             assert all(torch.equal(state[k], one["states"][0][k]) for k in state)
+
+
+def test_the_grpo_demo_runs_and_reports(tmp_path, monkeypatch, capsys):
+    from rlhf_fusion import cli
+    from rlhf_fusion.loop import demo_grpo
+
+    assert cli.main(["demo", "--algo", "grpo", "--compare"]) == 2
+    assert "--compare is not available with --algo grpo" in capsys.readouterr().err
+    real = demo_grpo.grpo_demo_config
+
+    def tiny(*, iterations: int, serial: bool):
+        cfg = real(iterations=iterations, serial=serial, world_size=1)
+        cfg.generation.prompts_per_iteration, cfg.generation.max_new_tokens = 4, 8
+        cfg.fusion.inter = False
+        return cfg
+
+    monkeypatch.setattr(demo_grpo, "grpo_demo_config", tiny)
+    s = demo_grpo.run_grpo_demo(tmp_path, iterations=2)
+    assert s["iterations"] == 2 and s["samples"] == 2 * 4 * 8
+    assert 0.0 <= s["correct_last"] <= 1.0
+    for name in ("metrics.jsonl", "reward.png", "summary.json", "config.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "reward: first 2 iterations" in capsys.readouterr().out

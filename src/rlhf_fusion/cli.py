@@ -94,6 +94,16 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .loop.demo import run_demo
 
+    if args.algo == "grpo":
+        if args.compare:
+            print("rlhf-fusion demo: error: --compare is not available with --algo grpo yet; "
+                  "run it twice, with and without --serial", file=sys.stderr)
+            return 2
+        from .loop.demo_grpo import run_grpo_demo
+
+        out = args.out if args.out != "rlhf-fusion-demo" else "rlhf-fusion-demo-grpo"
+        return run_logged("rlhf-fusion demo --algo grpo", out, lambda: run_grpo_demo(
+            out, iterations=args.iterations or 40, serial=args.serial))
     if args.compare:
         from .loop.compare import compare
 
@@ -103,9 +113,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             return 2
         # a CompareError (the modes' samples differ) is one line and exit 1, like any failure
         return run_logged("rlhf-fusion demo --compare", args.out, lambda: compare(
-            args.out, pairs=args.pairs, iterations=args.iterations))
+            args.out, pairs=args.pairs, iterations=args.iterations or 24))
     return run_logged("rlhf-fusion demo", args.out, lambda: run_demo(
-        args.out, iterations=args.iterations, serial=args.serial))
+        args.out, iterations=args.iterations or 24, serial=args.serial))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -437,8 +447,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="PPO on tiny models, 2 CPU processes, every plugin on")
     d.add_argument("--out", default="rlhf-fusion-demo",
                    help="output directory (default: rlhf-fusion-demo)")
-    d.add_argument("--iterations", type=_count(1), default=24,
-                   help="PPO iterations, >= 1 (default: 24)")
+    d.add_argument("--iterations", type=_count(1), default=None,
+                   help="iterations, >= 1 (default: 24 for ppo, 40 for grpo)")
+    d.add_argument("--algo", choices=("ppo", "grpo"), default="ppo",
+                   help="ppo (a critic, the vowels task) or grpo (no critic, arithmetic with a "
+                        "correctness reward; default: ppo)")
     d.add_argument("--serial", action="store_true",
                    help="the serial baseline (no inter- or intra-stage fusion)")
     d.add_argument("--compare", action="store_true",

@@ -99,8 +99,9 @@ def critic_free_batch(exps: Sequence[Experience], algo: ResolvedAlgorithm, *, kl
     """The training batch and TRL-named metrics of one iteration's experience.
 
     ``exps`` sorted by sample id; ``order``: the sample ids in the order they were scored (the
-    tracker takes them so; the result does not depend on it). ``kl_coef``: the in-reward KL
-    coefficient now (the controller's), used when ``algo.kl_in_reward``.
+    tracker takes them so; the result does not depend on it). ``kl_coef``: the KL
+    coefficient now (the controller's): subtracted in the reward when ``algo.kl_in_reward``,
+    reported either way.
     """
     exps = sorted(exps, key=lambda e: e.sample_id)
     rb = adv.response_batch(exps)
@@ -126,8 +127,9 @@ def critic_free_batch(exps: Sequence[Experience], algo: ResolvedAlgorithm, *, kl
     metrics = {
         "objective/scores": float(rb.scores.mean()),
         "objective/kl": float(kl.sum(1).mean()),
+        "objective/rlhf_reward": float(scores.mean()),   # minus the in-reward KL, if any
         "objective/kl_per_token": float(per_token_kl),
-        "objective/kl_coef": float(kl_coef if algo.kl_in_reward else algo.kl_loss_coef),
+        "objective/kl_coef": float(kl_coef),   # the controller's, for whichever KL term is on
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),
         # the groups whose samples all scored the same: no GRPO signal from them
