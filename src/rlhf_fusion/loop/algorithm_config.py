@@ -179,8 +179,8 @@ def algorithm_from(value: Any) -> AlgorithmConfig:
     return AlgorithmConfig(**out)
 
 
-#: the algorithms ``PPOWorker`` runs today; the critic-free ones have their config, rewards,
-#: group tracker and losses, and wait for the worker's training-engine refactor to be wired.
+#: the algorithms ``PPOWorker`` runs today; the critic-free ones run on the thin layer
+#: :mod:`rlhf_fusion.loop.critic_free` until the worker's training-engine refactor takes them.
 LOOP_RUNS: frozenset[str] = frozenset({"ppo"})
 
 
@@ -191,8 +191,9 @@ def check_runnable(cfg: RLHFConfig) -> None:
     if name not in LOOP_RUNS:
         raise LoopConfigError(
             f"algorithm.name: {name} is not run by rlhf-fusion train / RLHFModule yet (only "
-            f"{', '.join(sorted(LOOP_RUNS))}); use TRL's GRPOTrainer with rlhf-fusion's "
-            "FusionConfig, or algorithm.name: ppo")
+            f"{', '.join(sorted(LOOP_RUNS))}); run it with "
+            "rlhf_fusion.loop.critic_free.train_critic_free(cfg, prompts) (data parallel, "
+            "inter-stage fusion, no placement), or use algorithm.name: ppo")
 
 
 def samples_per_iteration(cfg: RLHFConfig) -> int:
