@@ -135,8 +135,8 @@ def test_the_grpo_demo_runs_and_reports(tmp_path, monkeypatch, capsys):
     from rlhf_fusion import cli
     from rlhf_fusion.loop import demo_grpo
 
-    assert cli.main(["demo", "--algo", "grpo", "--compare"]) == 2
-    assert "--compare is not available with --algo grpo" in capsys.readouterr().err
+    assert cli.main(["demo", "--algo", "grpo", "--compare", "--serial"]) == 2
+    assert "--compare runs both modes" in capsys.readouterr().err
     real = demo_grpo.grpo_demo_config
 
     def tiny(*, iterations: int, serial: bool):
@@ -152,3 +152,5 @@ def test_the_grpo_demo_runs_and_reports(tmp_path, monkeypatch, capsys):
     for name in ("metrics.jsonl", "reward.png", "summary.json", "config.json"):
         assert (tmp_path / name).stat().st_size > 0
     assert "reward: first 2 iterations" in capsys.readouterr().out
+    c = demo_grpo.compare_grpo(tmp_path, pairs=1, iterations=1)
+    assert c["rewards_equal"] and len(c["pairs"]) == 1

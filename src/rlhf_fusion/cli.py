@@ -95,13 +95,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .loop.demo import run_demo
 
     if args.algo == "grpo":
-        if args.compare:
-            print("rlhf-fusion demo: error: --compare is not available with --algo grpo yet; "
-                  "run it twice, with and without --serial", file=sys.stderr)
-            return 2
-        from .loop.demo_grpo import run_grpo_demo
+        from .loop.demo_grpo import compare_grpo, run_grpo_demo
 
         out = args.out if args.out != "rlhf-fusion-demo" else "rlhf-fusion-demo-grpo"
+        if args.compare:
+            if args.serial or args.pairs < 1:
+                print("rlhf-fusion demo: error: --compare runs both modes; drop --serial and "
+                      "give --pairs 1 or more", file=sys.stderr)
+                return 2
+            return run_logged("rlhf-fusion demo --algo grpo --compare", out, lambda: compare_grpo(
+                out, pairs=args.pairs, iterations=args.iterations or 40))
         return run_logged("rlhf-fusion demo --algo grpo", out, lambda: run_grpo_demo(
             out, iterations=args.iterations or 40, serial=args.serial))
     if args.compare:

@@ -101,3 +101,51 @@ def run_grpo_demo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, iterations: 
           f"{summary['kl_per_token_last']:.3f} (target {a.target_kl})")
     print(f"wrote {out / 'metrics.jsonl'}, {out / 'reward.png'}, {out / 'summary.json'}")
     return summary
+
+
+def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 3,
+                 iterations: int = 40) -> dict[str, Any]:
+    """``--algo grpo --compare``: fused and serial runs of the same workload as alternating
+    pairs (the order flips each pair, so drift in the machine's load hits both); checks the
+    rewards are equal in every iteration of every run and prints each pair's serial/fused
+    ratio of the rollout (generation + scoring, the stage inter-stage fusion changes) and of
+    the whole iteration. Raises :class:`~.compare.CompareError` when rewards differ."""
+    from .compare import CompareError
+    from .critic_free import train_critic_free
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = arithmetic_prompts()
+    rows, reference = [], None
+    for pair in range(pairs):
+        times: dict[str, dict[str, float]] = {}
+        for serial in ((False, True) if pair % 2 == 0 else (True, False)):
+            res = train_critic_free(grpo_demo_config(iterations=iterations, serial=serial),
+                                    prompts)
+            hist = res["history"]
+            rewards = [h["objective/scores"] for h in hist]
+            if reference is None:
+                reference = rewards
+            elif rewards != reference:
+                first = next(i for i, (a, b) in enumerate(zip(rewards, reference, strict=True))
+                             if a != b)
+                raise CompareError(f"pair {pair}, {'serial' if serial else 'fused'}: the "
+                                   f"reward of iteration {first} differs ({rewards[first]} vs "
+                                   f"{reference[first]}); fused and serial must sample alike")
+            times["serial" if serial else "fused"] = {
+                "rollout": sum(h["time/rollout"] for h in hist),
+                "iteration": sum(h["time/iteration"] for h in hist)}
+        row = {"pair": pair, **{f"{m}_{k}_s": v for m, t in times.items() for k, v in t.items()},
+               "rollout_ratio": times["serial"]["rollout"] / times["fused"]["rollout"],
+               "iteration_ratio": times["serial"]["iteration"] / times["fused"]["iteration"]}
+        rows.append(row)
+        print(f"pair {pair}: rollout serial/fused {row['rollout_ratio']:.2f}x, iteration "
+              f"{row['iteration_ratio']:.2f}x")
+    summary = {"pairs": rows, "rewards_equal": True,
+               "median_rollout_ratio": statistics.median(r["rollout_ratio"] for r in rows),
+               "median_iteration_ratio": statistics.median(r["iteration_ratio"] for r in rows)}
+    (out / "compare.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(f"rewards equal in every iteration of every run; median serial/fused over {pairs} "
+          f"pairs: rollout {summary['median_rollout_ratio']:.2f}x, iteration "
+          f"{summary['median_iteration_ratio']:.2f}x")
+    return summary
