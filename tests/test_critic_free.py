@@ -154,3 +154,26 @@ def test_the_grpo_demo_runs_and_reports(tmp_path, monkeypatch, capsys):
     assert "reward: first 2 iterations" in capsys.readouterr().out
     c = demo_grpo.compare_grpo(tmp_path, pairs=1, iterations=1)
     assert c["rewards_equal"] and len(c["pairs"]) == 1
+
+
+def test_rlhf_fusion_train_runs_a_grpo_config(tmp_path, capsys):
+    import yaml
+
+    from rlhf_fusion import cli
+
+    data = {"world_size": 1, "iterations": 1,
+            "algorithm": {"name": "grpo", "n": 2, "use_kl_loss": True},
+            "models": {"actor": {"family": "llama", "layers": 2, "hidden": 32},
+                       "tokenizer": "arithmetic", "reward": {
+                           "function": "rlhf_fusion.loop.arithmetic:correctness_reward"}},
+            "generation": {"prompts_per_iteration": 2, "max_new_tokens": 6},
+            "ppo": {"num_ppo_epochs": 1, "num_mini_batches": 1, "micro_batches": 1},
+            "fusion": {"inter": False, "intra": False}}
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    out = tmp_path / "out"
+    assert cli.main(["train", str(path), "--out", str(out), "--checkpoint-every", "0"]) == 0
+    assert "iteration 0: reward" in capsys.readouterr().out
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    assert cli.main(["train", str(path), "--out", str(tmp_path / "o2"), "--resume"]) == 2
+    assert "--resume: algorithm.name grpo runs without checkpoints" in capsys.readouterr().err

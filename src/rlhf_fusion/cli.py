@@ -153,6 +153,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise LoopConfigError(f"{args.config}: {exc}") from None
         if cfg.prompts:
             prompts = load_prompts(cfg.prompts)
+        elif cfg.models.tokenizer == "arithmetic":   # the GRPO demo's task
+            from .loop.arithmetic import arithmetic_prompts
+
+            prompts = arithmetic_prompts()
         else:
             prompts = demo_prompts()
             if lead:
@@ -167,6 +171,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 128 + exc.signum
 
     def run() -> None:
+        if cfg.algorithm.critic_free:   # the thin critic-free layer (loop/critic_free.py)
+            from .loop.critic_free import train_critic_free_to
+
+            train_critic_free_to(cfg, prompts, args.out, overwrite=args.overwrite,
+                                 checkpoint_every=args.checkpoint_every,
+                                 resume=args.resume is not None, joined=group is not None)
+            return
         try:
             out = train(cfg, prompts, out_dir=args.out, checkpoint_every=args.checkpoint_every,
                         resume=args.resume is not None, overwrite=args.overwrite,

@@ -192,7 +192,8 @@ def check_runnable(cfg: RLHFConfig) -> None:
         raise LoopConfigError(
             f"algorithm.name: {name} is not run by rlhf-fusion train / RLHFModule yet (only "
             f"{', '.join(sorted(LOOP_RUNS))}); run it with "
-            "rlhf_fusion.loop.critic_free.train_critic_free(cfg, prompts) (data parallel, "
+            "rlhf_fusion.loop.critic_free.train_critic_free(cfg, prompts) (as rlhf-fusion "
+            "train CONFIG does; data parallel, "
             "inter-stage fusion, no placement), or use algorithm.name: ppo")
 
 

@@ -371,3 +371,42 @@ def train_critic_free(cfg: RLHFConfig, prompts: Sequence[str], *, keep_experienc
     out["states"] = [r.value["state"] for r in results]
     return out
 
+
+
+def train_critic_free_to(cfg: RLHFConfig, prompts: Sequence[str], out_dir: str | None, *,
+                         overwrite: bool = False, checkpoint_every: int = 0,
+                         resume: bool = False, joined: bool = False) -> dict[str, Any]:
+    """``rlhf-fusion train`` for a critic-free config: :func:`train_critic_free`, then
+    ``metrics.jsonl`` (one row per iteration) and ``config.json`` in ``out_dir``. What the
+    layer does not do yet is refused before any rank starts, naming the option."""
+    import json
+    from pathlib import Path
+
+    if resume:
+        raise LoopConfigError(f"--resume: algorithm.name {cfg.algorithm.name} runs without "
+                              "checkpoints for now; start afresh (drop --resume)")
+    if checkpoint_every:
+        import sys
+
+        print(f"rlhf-fusion train: algorithm.name {cfg.algorithm.name} writes no checkpoints "
+              "yet (--checkpoint-every is ignored)", file=sys.stderr)
+    if joined:
+        raise LoopConfigError(f"algorithm.name {cfg.algorithm.name}: started by torchrun/srun; "
+                              "a critic-free run starts its own ranks for now: run "
+                              "rlhf-fusion train without torchrun")
+    from .run import prepare_out_dir
+
+    prepare_out_dir(out_dir, cfg.world_size, resume=False, overwrite=overwrite)
+    res = train_critic_free(cfg, prompts)
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "metrics.jsonl", "w") as f:
+            for row in res["history"]:
+                f.write(json.dumps(row) + "\n")
+        (out / "config.json").write_text(json.dumps(cfg.to_dict(), indent=1) + "\n")
+    for row in res["history"]:
+        print(f"iteration {row['iteration']}: reward {row['objective/scores']:.3f}, KL/token "
+              f"{row['objective/kl_per_token']:.3f}, length {row['response_length/mean']:.1f}, "
+              f"{row['time/iteration']:.2f} s")
+    return res
