@@ -125,6 +125,8 @@ def test_grpo_fused_equals_serial_equals_one_process():
     serial = train_critic_free(config(world=2, inter=False), prompts, keep_experiences=True)
     assert _tokens(fused) == _tokens(serial) == _tokens(one)
     assert fused["history"][0]["rollout/rt"] == 4 and "rollout/rt" not in one["history"][0]
+    # the simulator's bound for the batch's own lengths and fitted timings, groups included
+    assert all(h["rollout/simulated_speedup"] > 0 for h in fused["history"])
     for out in (fused, serial):
         for state in out["states"]:
             # one micro-batch per rank: the summed gradient is one device's, bit for bit

@@ -35,6 +35,7 @@ from ..algorithms import GroupTracker, clipped_policy_loss, kl_controller, kl_pe
 from ..rollout.backend_registry import BackendRequest, make_backend
 from ..rollout.inference import Experience, InferenceModels
 from ..rollout.local import LocalFusedRollout
+from ..rollout.rt_control import RtPlanner, TimedBackend, timed_scoring
 from ..rollout.types import SampleResult, SampleSpec
 from ..runtime.ppo import logprobs_from_logits
 from . import advantages as adv
@@ -208,10 +209,17 @@ class CriticFreeWorker:
         pad = int(self.tokenizer.pad_token_id or 0)
         self.scorer = CriticFreeScorer(ref, reward_fn, device=self.device, pad_id=pad)
         g = cfg.generation
-        self.backend = make_backend(g.backend, BackendRequest(
+        self.backend = TimedBackend(make_backend(g.backend, BackendRequest(
             copy_model=lambda: copy.deepcopy(self.actor), instance_id=self.rank,
             max_batch_size=g.bs_max, seed=g.seed, checkpoint=str(m.actor), device=self.device,
-            kv_capacity_tokens=g.kv_capacity_tokens))
+            kv_capacity_tokens=g.kv_capacity_tokens)))
+        # Decode steps and scoring calls timed: R_t's simulator fits its costs to them.
+        self._scoring: list[tuple[int, float]] = []
+        self.scorer.score = timed_scoring(self.scorer.score, self._scoring)  # type: ignore[method-assign]
+        fixed = self._fixed_rt()
+        self.rt_planner = RtPlanner(samples_per_iteration(cfg), max(self.world, 1),
+                                    bs_max=g.bs_max, kv_capacity_tokens=g.kv_capacity_tokens,
+                                    fixed=fixed, src=0)
         p = cfg.ppo
         self.optimizer = torch.optim.AdamW(self.actor.parameters(), lr=p.learning_rate, eps=1e-5,
                                            weight_decay=p.weight_decay)
@@ -222,18 +230,36 @@ class CriticFreeWorker:
         self.iteration_index = 0
 
     # -- one iteration -----------------------------------------------------------------------
-    def rt(self) -> int | None:
-        """R_t in samples (``fusion.rt``: a count, a fraction of ``prompts x n`` samples, or
-        ``auto``: a quarter of the batch, the point ``benchmarks/interstage.py`` measured
-        best on this machine; the simulator-driven choice is PPOWorker's RtPlanner)."""
+    def _fixed_rt(self) -> int | None:
+        """``fusion.rt`` in samples (a count, or a fraction of ``prompts x n``); None: auto."""
         f = self.cfg.fusion
-        if not (f.inter and self.world > 1):
+        if f.rt == "auto":
             return None
         samples = samples_per_iteration(self.cfg)
-        if f.rt == "auto":
-            return max(1, samples // 4)
         rt = float(f.rt)
         return max(1, round(rt * samples)) if rt < 1 else min(int(rt), samples)
+
+    def rt(self) -> int | None:
+        """R_t in samples for this rollout (None: no inter-stage fusion): ``fusion.rt`` fixed,
+        or ``auto``, chosen by R_t's simulator from the lengths and timings seen so far
+        (:class:`~rlhf_fusion.rollout.rt_control.RtPlanner`, collective; 0: no gain
+        predicted, the serial rollout)."""
+        if not (self.cfg.fusion.inter and self.world > 1):
+            return None
+        return self.rt_planner.rt() or None
+
+    def bound(self, lengths: Sequence[int], rt: int | None) -> float | None:
+        """The simulator's serial/fused time of this batch's generation + scoring, on the
+        costs fitted so far, with groups (:func:`~rlhf_fusion.rollout.planning.groups.
+        simulate_groups`): the ceiling inter-stage fusion has for these lengths."""
+        if not rt or self.world < 2:
+            return None
+        import numpy as np
+
+        from ..rollout.planning.groups import simulate_groups
+
+        g = simulate_groups(np.asarray(lengths), self.rt_planner.cluster(), rt, self.algo.n)
+        return float(g.speedup) if np.isfinite(g.fused_s) else None
 
     def rollout(self, specs: list[SampleSpec]) -> tuple[list[Experience], dict[str, Any]]:
         self.scorer.finish_order = []
@@ -243,7 +269,7 @@ class CriticFreeWorker:
             return list(out.experiences), {}
         from ..rollout import RolloutConfig, run_rollout
 
-        rt = self.rt()
+        rt = self.rt()   # collective
         rcfg = RolloutConfig(fused=rt is not None, rt=rt, mechanism=f.mechanism,
                              timeout_s=f.timeout_s, report_every=16)
         out = run_rollout(self.backend, self.scorer, specs, rcfg,
@@ -300,6 +326,14 @@ class CriticFreeWorker:
                             eos=int(self.tokenizer.eos_token_id))
         exps, stats = self.rollout(specs)
         t_roll = time.perf_counter() - t0
+        lengths = [len(e.response_ids) for e in sorted(exps, key=lambda e: e.sample_id)]
+        self.rt_planner.observe(lengths, self.backend, self._scoring,
+                                prompt_len=sum(map(len, prompts)) / max(len(prompts), 1))
+        bound = self.bound(lengths, stats.get("rt"))
+        if bound is not None:
+            stats["simulated_speedup"] = bound
+        self.backend.reset_timing()
+        self._scoring.clear()
         order = [sid for sid in self.scorer.finish_order if sid in {e.sample_id for e in exps}]
         if sorted(order) != sorted(e.sample_id for e in exps):
             order = None   # another rank scored some: any order gives the same advantages

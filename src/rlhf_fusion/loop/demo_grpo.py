@@ -88,6 +88,8 @@ def run_grpo_demo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, iterations: 
         "correct_last": avg("objective/correct", hist[-k:]),
         "kl_per_token_last": avg("objective/kl_per_token", hist[-k:]),
         "kl_coef_last": hist[-1]["objective/kl_coef"],
+        # R_t's simulator, groups included, on each batch's own lengths and fitted timings
+        "simulated_speedup_median": _median_of(hist, "rollout/simulated_speedup"),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     for h in hist:
@@ -99,8 +101,17 @@ def run_grpo_demo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, iterations: 
           f"{summary['reward_last']:.3f}; correct {summary['correct_first']:.3f} -> "
           f"{summary['correct_last']:.3f}; KL per token at the end "
           f"{summary['kl_per_token_last']:.3f} (target {a.target_kl})")
+    if summary["simulated_speedup_median"] is not None:
+        print(f"R_t's simulator (groups included) on these lengths and timings: generation + "
+              f"scoring serial/fused {summary['simulated_speedup_median']:.2f}x (median over "
+              "iterations): the ceiling of inter-stage fusion here")
     print(f"wrote {out / 'metrics.jsonl'}, {out / 'reward.png'}, {out / 'summary.json'}")
     return summary
+
+
+def _median_of(rows: list[dict[str, Any]], key: str) -> float | None:
+    vals = [r[key] for r in rows if key in r]
+    return statistics.median(vals) if vals else None
 
 
 def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 3,
@@ -117,6 +128,7 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
     out.mkdir(parents=True, exist_ok=True)
     prompts = arithmetic_prompts()
     rows, reference = [], None
+    bound: float | None = None
     for pair in range(pairs):
         times: dict[str, dict[str, float]] = {}
         for serial in ((False, True) if pair % 2 == 0 else (True, False)):
@@ -132,14 +144,18 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
                 raise CompareError(f"pair {pair}, {'serial' if serial else 'fused'}: the "
                                    f"reward of iteration {first} differs ({rewards[first]} vs "
                                    f"{reference[first]}); fused and serial must sample alike")
+            if not serial:
+                bound = _median_of(hist, "rollout/simulated_speedup")
             times["serial" if serial else "fused"] = {
                 "rollout": sum(h["time/rollout"] for h in hist),
                 "iteration": sum(h["time/iteration"] for h in hist)}
         row = {"pair": pair, **{f"{m}_{k}_s": v for m, t in times.items() for k, v in t.items()},
+               "simulated_rollout_ratio": bound,
                "rollout_ratio": times["serial"]["rollout"] / times["fused"]["rollout"],
                "iteration_ratio": times["serial"]["iteration"] / times["fused"]["iteration"]}
         rows.append(row)
-        print(f"pair {pair}: rollout serial/fused {row['rollout_ratio']:.2f}x, iteration "
+        sim = f" (simulator's bound {bound:.2f}x)" if bound is not None else ""
+        print(f"pair {pair}: rollout serial/fused {row['rollout_ratio']:.2f}x{sim}, iteration "
               f"{row['iteration_ratio']:.2f}x")
     summary = {"pairs": rows, "rewards_equal": True,
                "median_rollout_ratio": statistics.median(r["rollout_ratio"] for r in rows),
