@@ -94,6 +94,19 @@ def cmd_schedule(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .loop.demo import run_demo
 
+    if args.algo == "grpo":
+        from .loop.demo_grpo import compare_grpo, run_grpo_demo
+
+        out = args.out if args.out != "rlhf-fusion-demo" else "rlhf-fusion-demo-grpo"
+        if args.compare:
+            if args.serial or args.pairs < 1:
+                print("rlhf-fusion demo: error: --compare runs both modes; drop --serial and "
+                      "give --pairs 1 or more", file=sys.stderr)
+                return 2
+            return run_logged("rlhf-fusion demo --algo grpo --compare", out, lambda: compare_grpo(
+                out, pairs=args.pairs, iterations=args.iterations or 40))
+        return run_logged("rlhf-fusion demo --algo grpo", out, lambda: run_grpo_demo(
+            out, iterations=args.iterations or 40, serial=args.serial))
     if args.compare:
         from .loop.compare import compare
 
@@ -103,9 +116,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
             return 2
         # a CompareError (the modes' samples differ) is one line and exit 1, like any failure
         return run_logged("rlhf-fusion demo --compare", args.out, lambda: compare(
-            args.out, pairs=args.pairs, iterations=args.iterations))
+            args.out, pairs=args.pairs, iterations=args.iterations or 24))
     return run_logged("rlhf-fusion demo", args.out, lambda: run_demo(
-        args.out, iterations=args.iterations, serial=args.serial))
+        args.out, iterations=args.iterations or 24, serial=args.serial))
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -140,6 +153,10 @@ def cmd_train(args: argparse.Namespace) -> int:
             raise LoopConfigError(f"{args.config}: {exc}") from None
         if cfg.prompts:
             prompts = load_prompts(cfg.prompts)
+        elif cfg.models.tokenizer == "arithmetic":   # the GRPO demo's task
+            from .loop.arithmetic import arithmetic_prompts
+
+            prompts = arithmetic_prompts()
         else:
             prompts = demo_prompts()
             if lead:
@@ -154,6 +171,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 128 + exc.signum
 
     def run() -> None:
+        if cfg.algorithm.critic_free:   # the thin critic-free layer (loop/critic_free.py)
+            from .loop.critic_free import train_critic_free_to
+
+            train_critic_free_to(cfg, prompts, args.out, overwrite=args.overwrite,
+                                 checkpoint_every=args.checkpoint_every,
+                                 resume=args.resume is not None, joined=group is not None)
+            return
         try:
             out = train(cfg, prompts, out_dir=args.out, checkpoint_every=args.checkpoint_every,
                         resume=args.resume is not None, overwrite=args.overwrite,
@@ -523,8 +547,11 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="PPO on tiny models, 2 CPU processes, every plugin on")
     d.add_argument("--out", default="rlhf-fusion-demo",
                    help="output directory (default: rlhf-fusion-demo)")
-    d.add_argument("--iterations", type=_count(1), default=24,
-                   help="PPO iterations, >= 1 (default: 24)")
+    d.add_argument("--iterations", type=_count(1), default=None,
+                   help="iterations, >= 1 (default: 24 for ppo, 40 for grpo)")
+    d.add_argument("--algo", choices=("ppo", "grpo"), default="ppo",
+                   help="ppo (a critic, the vowels task) or grpo (no critic, arithmetic with a "
+                        "correctness reward; default: ppo)")
     d.add_argument("--serial", action="store_true",
                    help="the serial baseline (no inter- or intra-stage fusion)")
     d.add_argument("--compare", action="store_true",

@@ -12,6 +12,8 @@ from .advantages import (
     rloo_advantages,
     sequence_kl_penalized_scores,
 )
+from .groups import GroupDone, GroupTracker
+from .kl_control import AdaptiveKLController, FixedKLController, kl_controller
 from .policy_loss import (
     LOSS_AGG_MODES,
     TRL_LOSS_TYPES,
@@ -22,6 +24,10 @@ from .policy_loss import (
 
 __all__ = [
     "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "GroupDone",
+    "GroupTracker",
     "TRL_LOSS_TYPES",
     "GroupStats",
     "agg_loss",
@@ -29,6 +35,7 @@ __all__ = [
     "discounted_returns",
     "group_stats",
     "grpo_advantages",
+    "kl_controller",
     "kl_penalty",
     "reinforce_pp_advantages",
     "reinforce_pp_baseline_advantages",

@@ -16,8 +16,10 @@ from pathlib import Path
 from typing import Any
 
 from ..rollout.backend_registry import backend_names
+from .algorithm_config import AlgorithmConfig, algorithm_from, check_algorithm
 from .errors import LoopConfigError
 from .placement import offload_names, placement_of
+from .reward_functions import is_function_spec, resolve_reward_spec
 
 MECHANISMS = ("kv", "tokens", "auto")
 
@@ -31,7 +33,10 @@ class ModelsConfig:
     """The four models. ``critic``/``ref`` default to the actor's source (the Critic gets the
     actor's backbone and a new value head; the Ref is a frozen copy of the initial Actor).
     ``reward`` is a model source, a Python callable ``f(prompt, response) -> float`` (token ids
-    or, with a tokenizer, text), or the name of a built-in rule (``"vowels"``)."""
+    or, with a tokenizer, text), the name of a built-in rule (``"vowels"``, ``"arithmetic"``),
+    or reward functions by import path, called as TRL's (``{function: "pkg.mod:fn"}`` or
+    ``{functions: [{function: ..., weight: ...}, ...]}``, :mod:`.reward_functions`).
+    ``tokenizer``: a Hub id, a folder, or a built-in (``chars``, ``arithmetic``)."""
 
     actor: ModelSource = field(default_factory=lambda: {"family": "llama"})
     critic: ModelSource | None = None
@@ -151,6 +156,7 @@ class RLHFConfig:
     ppo: PPOLoopConfig = field(default_factory=PPOLoopConfig)
     fusion: FusionLoopConfig = field(default_factory=FusionLoopConfig)
     placement: PlacementSection = field(default_factory=PlacementSection)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)   # loop/algorithm_config
     world_size: int = 2
     iterations: int = 10
     prompts: str | None = None  # a text file (one prompt a line) or JSONL with "prompt"
@@ -172,6 +178,8 @@ class RLHFConfig:
         for key, value in data.items():
             if key in sections:
                 kw[key] = _section(sections[key], key, value or {})
+            elif key == "algorithm":   # a name or a mapping
+                kw[key] = algorithm_from(value)
             else:
                 kw[key] = value
         return cls(**kw)
@@ -248,6 +256,7 @@ class RLHFConfig:
         sources, built on the meta device (unknown keys, missing folders, unknown reward
         rules, more pipeline stages than decoder layers)."""
         self._check_fields()
+        check_algorithm(self)
         g, p, f = self.generation, self.ppo, self.fusion
         if g.backend == "vllm":
             if not isinstance(self.models.actor, str):
@@ -270,7 +279,7 @@ class RLHFConfig:
                     "prompt); raise it, lower generation.max_new_tokens, or leave it unset "
                     "(no limit)")
         batch = g.prompts_per_iteration
-        if batch % p.num_mini_batches:
+        if batch % p.num_mini_batches and self.algorithm.n == 1:   # n > 1: check_algorithm's
             raise LoopConfigError(
                 f"ppo.num_mini_batches: {p.num_mini_batches} does not divide "
                 f"generation.prompts_per_iteration={batch}; use a divisor of {batch}")
@@ -302,7 +311,9 @@ class RLHFConfig:
         for name in ("critic", "ref"):
             if getattr(m, name) is not None:
                 _source(f"models.{name}", getattr(m, name))
-        if not callable(m.reward):
+        if is_function_spec(m.reward):   # imported now, before any rank starts
+            resolve_reward_spec(m.reward)
+        elif not callable(m.reward):
             _source("models.reward", m.reward)
         if m.tokenizer is not None and not (isinstance(m.tokenizer, str) and m.tokenizer):
             raise LoopConfigError(f"models.tokenizer: {m.tokenizer!r}; give a Hub id or a local "

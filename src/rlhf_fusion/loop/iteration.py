@@ -97,6 +97,7 @@ from .placement import (
     check_micro_batches,
     placement_of,
 )
+from .reward_functions import RewardFunctions
 
 
 class LoopStageError(RLHFFusionError, RuntimeError):
@@ -331,6 +332,9 @@ class PPOWorker:
         if isinstance(r, torch.nn.Module):
             return r
         tok = self.tokenizer
+        if isinstance(r, RewardFunctions):   # TRL's signature: the token ids beside the text
+            return lambda prompt_ids, response_ids: r.score(
+                tok.decode(prompt_ids), tok.decode(response_ids), response_ids)
         return lambda prompt_ids, response_ids: float(r(tok.decode(prompt_ids),
                                                         tok.decode(response_ids)))
 

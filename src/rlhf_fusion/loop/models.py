@@ -18,7 +18,9 @@ import torch
 from torch import nn
 
 from ..runtime.partition import CriticModel
+from .arithmetic import ArithmeticTokenizer, correct
 from .errors import LoopConfigError
+from .reward_functions import is_function_spec, resolve_reward_spec
 
 if TYPE_CHECKING:
     from .config import ModelsConfig, ModelSource, RLHFConfig
@@ -53,6 +55,11 @@ class CharTokenizer:
         return "".join(self._chars.get(int(i), "") for i in ids)
 
 
+#: ``models.tokenizer`` names built here (nothing downloaded): the demo's tokenizers.
+BUILTIN_TOKENIZERS: dict[str, Callable[[], Any]] = {"chars": CharTokenizer,
+                                                     "arithmetic": ArithmeticTokenizer}
+
+
 class HFTokenizer:
     """Adapter over a ``transformers`` tokenizer (chat template when it has one)."""
 
@@ -76,6 +83,8 @@ def load_tokenizer(cfg: ModelsConfig) -> Any:
     name = cfg.tokenizer or (cfg.actor if isinstance(cfg.actor, str) else None)
     if name is None:
         return CharTokenizer()
+    if name in BUILTIN_TOKENIZERS:
+        return BUILTIN_TOKENIZERS[name]()
     from transformers import AutoTokenizer
 
     return HFTokenizer(AutoTokenizer.from_pretrained(name))
@@ -271,8 +280,8 @@ def check_sources(cfg: RLHFConfig, placement: LoopPlacement | None = None) -> No
     from ..runtime.partition import num_layers
 
     m = cfg.models
-    reward_rule = callable(m.reward) or (isinstance(m.reward, str)
-                                         and m.reward in BUILTIN_REWARDS)
+    reward_rule = callable(m.reward) or is_function_spec(m.reward) or (
+        isinstance(m.reward, str) and m.reward in BUILTIN_REWARDS)
     if (isinstance(m.reward, str) and not reward_rule and "/" not in m.reward
             and not Path(m.reward).expanduser().exists()):
         raise LoopConfigError(
@@ -436,8 +445,8 @@ def model_configs(cfg: ModelsConfig) -> dict[str, Any]:
     out = {"actor": config(cfg.actor)}
     out["ref"] = out["actor"] if cfg.ref is None else config(cfg.ref)
     out["critic"] = config(cfg.critic) if cfg.critic is not None else out["actor"]
-    rule = callable(cfg.reward) or (isinstance(cfg.reward, str)
-                                    and cfg.reward in BUILTIN_REWARDS)
+    rule = callable(cfg.reward) or is_function_spec(cfg.reward) or (
+        isinstance(cfg.reward, str) and cfg.reward in BUILTIN_REWARDS)
     out["reward"] = None if rule else config(cfg.reward)
     return out
 
@@ -470,7 +479,7 @@ def vowel_fraction(prompt: str, response: str, *, window: int = 8) -> float:
     return sum(c in "aeiou" for c in response[:window]) / window
 
 
-BUILTIN_REWARDS: dict[str, RewardFn] = {"vowels": vowel_fraction}
+BUILTIN_REWARDS: dict[str, RewardFn] = {"vowels": vowel_fraction, "arithmetic": correct}
 
 
 @dataclass
@@ -493,6 +502,8 @@ def build_models(cfg: ModelsConfig) -> Models:
     reward: nn.Module | RewardFn
     if callable(cfg.reward):
         reward = cfg.reward
+    elif is_function_spec(cfg.reward):
+        reward = resolve_reward_spec(cfg.reward)   # type: ignore[arg-type]
     elif isinstance(cfg.reward, str) and cfg.reward in BUILTIN_REWARDS:
         reward = BUILTIN_REWARDS[cfg.reward]
     else:

@@ -86,6 +86,9 @@ def train(cfg: RLHFConfig, prompts: Sequence[str], *, out_dir: str | Path | None
     ``keep_experiences``, every iteration's experience batch. ``keep_checkpoints``: the
     newest K checkpoints stay, older ones are deleted (0 keeps all)."""
     cfg.validate()
+    from .algorithm_config import check_runnable
+
+    check_runnable(cfg)
     if keep_checkpoints < 0:
         raise LoopConfigError("keep_checkpoints: must be >= 0 (0 keeps every checkpoint)")
     if checkpoint_every < 0:

@@ -47,6 +47,9 @@ class RLHFModule(pl.LightningModule):
 
     def __init__(self, config: RLHFConfig) -> None:
         super().__init__()
+        from ..loop.algorithm_config import check_runnable
+
+        check_runnable(config)   # in the constructing process, before any rank starts
         self.config = config
         self.automatic_optimization = False
         self.worker: Any = None  # built in setup(), in the process that runs it

@@ -159,6 +159,8 @@ class IterationResult:
     m: int
     mechanism: str
     migrated: int
+    # when each sample's scoring ends (fused run); groups read it (planning/groups.py)
+    scored_at: dict[int, float] = field(default_factory=dict)
 
 
 def _shards(n_samples: int, instances: int) -> list[list[int]]:
@@ -176,6 +178,19 @@ def simulate_serial(lengths: np.ndarray, c: ClusterModel) -> tuple[float, float,
         infer.append(sum(_infer_time(c, c.prompt_len, int(lengths[i])) for i in shard))
     gen_end = max(finish.values())
     return gen_end + max(infer), gen_end, finish
+
+
+def serial_scored_at(lengths: np.ndarray, c: ClusterModel) -> dict[int, float]:
+    """When each sample's scoring ends in the unfused iteration: every instance scores its own
+    shard, in order, from the end of the whole generation."""
+    _, gen_end, _ = simulate_serial(lengths, c)
+    out: dict[int, float] = {}
+    for shard in _shards(len(lengths), c.instances):
+        t = gen_end
+        for i in shard:
+            t += _infer_time(c, c.prompt_len, int(lengths[i]))
+            out[i] = t
+    return out
 
 
 def simulate_fused(lengths: np.ndarray, c: ClusterModel, rt: int,
@@ -239,14 +254,16 @@ def simulate_fused(lengths: np.ndarray, c: ClusterModel, rt: int,
     workers = [trigger] * len(plan.freed) + [gen_end[d] for d in plan.destinations]
     heapq.heapify(workers)
     end = 0.0
+    scored_at: dict[int, float] = {}
     for ready, i in jobs:
         free = heapq.heappop(workers)
         done_at = max(free, ready) + _infer_time(c, c.prompt_len, int(lengths[i]))
+        scored_at[i] = done_at
         end = max(end, done_at)
         heapq.heappush(workers, done_at)
     fused_gen = max(gen_end.values(), default=trigger)
     return IterationResult(serial_total, max(end, fused_gen), serial_gen, fused_gen, trigger, m,
-                           mechanism, len(plan.moved_ids))
+                           mechanism, len(plan.moved_ids), scored_at)
 
 
 @dataclass

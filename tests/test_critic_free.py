@@ -1,0 +1,181 @@
+"""The critic-free layer of the loop (rlhf_fusion.loop.critic_free): the batch's group
+advantages equal the algorithms' batch functions whatever order the samples were scored in;
+micro-batch losses sum to the mini-batch's; no Critic is built; and GRPO on 2 ranks, fused and
+serial, equals one process: the same tokens and rewards, the same parameters."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from rlhf_fusion.algorithms import clipped_policy_loss, grpo_advantages, rloo_advantages
+from rlhf_fusion.loop.algorithm_config import AlgorithmConfig
+from rlhf_fusion.loop.arithmetic import arithmetic_prompts
+from rlhf_fusion.loop.config import (
+    FusionLoopConfig,
+    GenerationConfig,
+    ModelsConfig,
+    PPOLoopConfig,
+    RLHFConfig,
+)
+from rlhf_fusion.loop.critic_free import (
+    CriticFreeWorker,
+    _split,
+    critic_free_batch,
+    policy_loss_fn,
+    train_critic_free,
+)
+from rlhf_fusion.loop.errors import LoopConfigError
+from rlhf_fusion.rollout.inference import Experience
+
+
+def config(*, world: int = 1, inter: bool = False, iterations: int = 2, **algo) -> RLHFConfig:
+    return RLHFConfig(
+        models=ModelsConfig(actor={"family": "llama", "layers": 2, "hidden": 32},
+                            tokenizer="arithmetic", reward="arithmetic"),
+        generation=GenerationConfig(prompts_per_iteration=4, max_new_tokens=12, bs_max=32),
+        ppo=PPOLoopConfig(num_ppo_epochs=1, num_mini_batches=2, micro_batches=2,
+                          learning_rate=3e-3),
+        fusion=FusionLoopConfig(inter=inter, intra=False, rt=0.25, mechanism="kv",
+                                timeout_s=60.0),
+        world_size=world, iterations=iterations,
+        algorithm=AlgorithmConfig(**{"name": "grpo", "n": 4, **algo}))
+
+
+def experiences(seed: int, prompts: int = 3, n: int = 4) -> list[Experience]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for sid in range(prompts * n):
+        g = int(torch.randint(1, 7, (1,), generator=gen))
+        lp = -torch.rand(g, generator=gen, dtype=torch.float64)
+        out.append(Experience(sid, (3, 4), tuple(range(2, 2 + g)), "stop", lp,
+                              lp + 0.1 * torch.randn(g, generator=gen, dtype=torch.float64),
+                              torch.zeros(g, dtype=torch.float64),
+                              float(torch.randint(0, 2, (1,), generator=gen))))
+    return out
+
+
+@pytest.mark.parametrize("name", ["grpo", "rloo"])
+def test_batch_advantages_are_the_batch_functions_in_any_scoring_order(name):
+    exps = experiences(0)
+    algo = config(name=name).algorithm.resolved(config().ppo)
+    batch, metrics = critic_free_batch(exps, algo, kl_coef=0.0, pad_id=0)
+    order = [e.sample_id for e in exps]
+    random.Random(1).shuffle(order)
+    again, _ = critic_free_batch(list(reversed(exps)), algo, kl_coef=0.0, pad_id=0, order=order)
+    assert all(torch.equal(batch[k], again[k]) for k in batch)
+    scores = torch.tensor([e.reward for e in exps], dtype=torch.float64)
+    index = torch.tensor([e.sample_id // 4 for e in exps])
+    mask = torch.ones(len(exps), 1)
+    fn = grpo_advantages if name == "grpo" else rloo_advantages
+    want = fn(scores, index, mask)[0][:, 0].float()
+    got = torch.stack([batch["advantages"][i][batch["action_mask"][i].bool()][0]
+                       for i in range(len(exps))])
+    assert torch.equal(got, want)
+    assert metrics["objective/scores"] == pytest.approx(float(scores.mean()))
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_micro_batch_losses_sum_to_the_mini_batchs(mode):
+    exps = experiences(1)
+    algo = config(loss_agg_mode=mode, use_kl_loss=True).algorithm.resolved(config().ppo)
+    batch, _ = critic_free_batch(exps, algo, kl_coef=0.0, pad_id=0)
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(*batch["input_ids"].shape, 16, generator=gen, dtype=torch.float64)
+    fn = policy_loss_fn(algo, kl_loss_coef=0.01, horizon=12)
+    act = batch["action_mask"].bool()
+    tokens, seqs = float(act.sum()), float((act.sum(-1) > 0).sum())
+    whole, _ = fn(logits, batch, tokens, seqs)
+    parts = _split({**batch, "logits": logits}, 3)
+    summed = sum(fn(p.pop("logits"), p, tokens, seqs)[0] for p in parts)
+    assert float(summed) == pytest.approx(float(whole), rel=1e-12)
+    # and it is the algorithms' loss on the whole batch
+    from rlhf_fusion.runtime.ppo import logprobs_from_logits
+
+    lp = logprobs_from_logits(logits, batch["input_ids"]).to(torch.float64)
+    ref, _ = clipped_policy_loss(lp, batch["old_logprobs"].double(), batch["advantages"].double(),
+                                 batch["action_mask"], loss_agg_mode=mode,
+                                 ref_logprobs=batch["ref_logprobs"].double(), kl_loss_coef=0.01,
+                                 kl_loss_type="low_var_kl", horizon=12)
+    assert float(whole) == pytest.approx(float(ref), rel=1e-12)
+
+
+def test_no_critic_is_built_and_ppo_or_a_placement_is_refused():
+    w = CriticFreeWorker(config())
+    assert not hasattr(w, "critic")
+    assert not any("critic" in type(m).__name__.lower() for m in w.actor.modules())
+    with pytest.raises(LoopConfigError, match="runs on PPOWorker"):
+        CriticFreeWorker(RLHFConfig(world_size=1, fusion=FusionLoopConfig.off()))
+    cfg = config()
+    cfg.placement.offload = ["ref"]
+    with pytest.raises(LoopConfigError, match="^placement: a critic-free run"):
+        train_critic_free(cfg, arithmetic_prompts())
+
+
+def _tokens(out):
+    return [[(sid, tuple(ids), r) for sid, ids, r in it] for it in out["experiences"]]
+
+
+def test_grpo_fused_equals_serial_equals_one_process():
+    prompts = arithmetic_prompts()
+    one = train_critic_free(config(), prompts, keep_experiences=True)
+    fused = train_critic_free(config(world=2, inter=True), prompts, keep_experiences=True)
+    serial = train_critic_free(config(world=2, inter=False), prompts, keep_experiences=True)
+    assert _tokens(fused) == _tokens(serial) == _tokens(one)
+    assert fused["history"][0]["rollout/rt"] == 4 and "rollout/rt" not in one["history"][0]
+    # the simulator's bound for the batch's own lengths and fitted timings, groups included
+    assert all(h["rollout/simulated_speedup"] > 0 for h in fused["history"])
+    for out in (fused, serial):
+        for state in out["states"]:
+            # one micro-batch per rank: the summed gradient is one device's, bit for bit
+            assert all(torch.equal(state[k], one["states"][0][k]) for k in state)
+
+
+def test_the_grpo_demo_runs_and_reports(tmp_path, monkeypatch, capsys):
+    from rlhf_fusion import cli
+    from rlhf_fusion.loop import demo_grpo
+
+    assert cli.main(["demo", "--algo", "grpo", "--compare", "--serial"]) == 2
+    assert "--compare runs both modes" in capsys.readouterr().err
+    real = demo_grpo.grpo_demo_config
+
+    def tiny(*, iterations: int, serial: bool):
+        cfg = real(iterations=iterations, serial=serial, world_size=1)
+        cfg.generation.prompts_per_iteration, cfg.generation.max_new_tokens = 4, 8
+        cfg.fusion.inter = False
+        return cfg
+
+    monkeypatch.setattr(demo_grpo, "grpo_demo_config", tiny)
+    s = demo_grpo.run_grpo_demo(tmp_path, iterations=2)
+    assert s["iterations"] == 2 and s["samples"] == 2 * 4 * 8
+    assert 0.0 <= s["correct_last"] <= 1.0
+    for name in ("metrics.jsonl", "reward.png", "summary.json", "config.json"):
+        assert (tmp_path / name).stat().st_size > 0
+    assert "reward: first 2 iterations" in capsys.readouterr().out
+    c = demo_grpo.compare_grpo(tmp_path, pairs=1, iterations=1)
+    assert c["rewards_equal"] and len(c["pairs"]) == 1
+
+
+def test_rlhf_fusion_train_runs_a_grpo_config(tmp_path, capsys):
+    import yaml
+
+    from rlhf_fusion import cli
+
+    data = {"world_size": 1, "iterations": 1,
+            "algorithm": {"name": "grpo", "n": 2, "use_kl_loss": True},
+            "models": {"actor": {"family": "llama", "layers": 2, "hidden": 32},
+                       "tokenizer": "arithmetic", "reward": {
+                           "function": "rlhf_fusion.loop.arithmetic:correctness_reward"}},
+            "generation": {"prompts_per_iteration": 2, "max_new_tokens": 6},
+            "ppo": {"num_ppo_epochs": 1, "num_mini_batches": 1, "micro_batches": 1},
+            "fusion": {"inter": False, "intra": False}}
+    path = tmp_path / "grpo.yaml"
+    path.write_text(yaml.safe_dump(data))
+    out = tmp_path / "out"
+    assert cli.main(["train", str(path), "--out", str(out), "--checkpoint-every", "0"]) == 0
+    assert "iteration 0: reward" in capsys.readouterr().out
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+    assert cli.main(["train", str(path), "--out", str(tmp_path / "o2"), "--resume"]) == 2
+    assert "--resume: algorithm.name grpo runs without checkpoints" in capsys.readouterr().err
