@@ -6,7 +6,6 @@ with the fix."""
 from __future__ import annotations
 
 import json
-from types import SimpleNamespace
 
 import pytest
 
@@ -153,15 +152,17 @@ def test_verl_mapping_of_a_critic_free_plan():
 
 def test_planned_models_of_a_train_config():
     from rlhf_fusion.loop import RLHFConfig
+    from rlhf_fusion.loop.algorithm_config import algorithm_from
     from rlhf_fusion.loop.placement import placement_problem, planned_models
 
     assert planned_models(RLHFConfig()) == ("actor", "critic", "ref", "reward")
     for algo in ("grpo", "rloo", "reinforce_pp"):
-        assert planned_models(SimpleNamespace(algorithm=algo)) == ("actor", "ref", "reward")
+        assert planned_models(RLHFConfig.from_dict({"algorithm": algo})) == (
+            "actor", "ref", "reward")
     cfg = RLHFConfig()
     cfg.models.actor = {"family": "llama", "layers": 2, "hidden": 32}
     assert placement_problem(cfg, 12.0).calls == CALLS
-    cfg.algorithm = "grpo"   # the field the critic-free loop adds (issue 37)
+    cfg.algorithm = algorithm_from("grpo")
     free = placement_problem(cfg, 12.0)
     assert free.calls == CRITIC_FREE and free.prompt_len == 12
     assert search(free, time_limit=0.5, seed=0).plan.call_names == CRITIC_FREE
@@ -189,6 +190,7 @@ def test_the_loop_refuses_a_plan_for_other_models(tmp_path):
     """A critic-free plan under a PPO train config (and the reverse) fails before any process
     starts, naming both call sets."""
     from rlhf_fusion.loop import LoopConfigError, PlacementSection, RLHFConfig
+    from rlhf_fusion.loop.algorithm_config import algorithm_from
     from rlhf_fusion.loop.placement import placement_of
 
     free = problem({"actor": "1b", "critic": None})
@@ -200,7 +202,7 @@ def test_the_loop_refuses_a_plan_for_other_models(tmp_path):
                                               r"the calls \['actor_gen', 'ref_inf', "
                                               r"'reward_inf', 'critic_inf'"):
         placement_of(cfg)
-    cfg.algorithm = "grpo"   # the field the critic-free loop adds (issue 37)
+    cfg.algorithm = algorithm_from("grpo")
     lp = placement_of(cfg)
     assert set(lp.calls) == set(CRITIC_FREE)
     ppo = problem({"actor": "1b"})

@@ -412,17 +412,13 @@ def _call_layout(c: str, ranks: tuple[int, ...], dp: int, tp: int, pp: int, zero
     return CallLayout(ranks, dp, pp, kind, tp, zero)
 
 
-CRITIC_FREE_ALGORITHMS = ("grpo", "rloo", "reinforce_pp")
-"""Algorithms that build no Critic: their plans have no ``critic_inf``/``critic_train``."""
 
 
 def planned_models(cfg: RLHFConfig) -> tuple[str, ...]:
     """The models a plan for ``cfg`` places: Actor, Ref and the reward call always (a rule
     reward runs on ``reward_inf``'s ranks too, planned as a negligible model), the Critic
-    unless the algorithm is critic-free. ``cfg.algorithm`` comes with the critic-free loop
-    (issue 37); a config without it is PPO."""
-    algorithm = getattr(cfg, "algorithm", "ppo")
-    critic = () if algorithm in CRITIC_FREE_ALGORITHMS else ("critic",)
+    unless the algorithm (``cfg.algorithm``, an ``AlgorithmConfig``) is critic-free."""
+    critic = () if cfg.algorithm.critic_free else ("critic",)
     return ("actor", *critic, "ref", "reward")
 
 
