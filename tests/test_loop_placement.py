@@ -23,8 +23,8 @@ from rlhf_fusion.placement import (  # noqa: E402
     make_mesh,
     search,
 )
+from rlhf_fusion.placement.layout import Layout  # noqa: E402
 from rlhf_fusion.placement.plan import CallPlacement, ExecutionPlan  # noqa: E402
-from rlhf_fusion.placement.strategy import ParallelStrategy  # noqa: E402
 
 WORLD = 4
 MICRO = 4   # micro-batches per mini-batch: every training call's dp (1, 2 or 4) divides it
@@ -201,12 +201,12 @@ def test_a_plans_offload_is_honoured(colocated, tmp_path):
 def _plan_file(tmp_path, offload=(), world=WORLD, **override) -> str:
     cluster = Cluster.uniform(1, world)
     mesh = make_mesh(cluster, "main", 0, 1)
-    calls = {c: CallPlacement(mesh, ParallelStrategy(world, 1, 1))
+    calls = {c: CallPlacement(mesh, Layout(world, 1, 1))
              for c in ("actor_gen", "ref_inf", "reward_inf", "critic_inf", "actor_train",
                        "critic_train")}
     for c, (ranks_start, n, *strategy) in override.items():
         calls[c] = CallPlacement(make_mesh(cluster, "main", 0, 1, ranks_start, n),
-                                 ParallelStrategy(*strategy))
+                                 Layout(*strategy))
     path = tmp_path / "plan.json"
     ExecutionPlan(calls, "test", tuple(offload)).save(path, cluster)
     return str(path)
