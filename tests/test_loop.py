@@ -21,6 +21,7 @@ from rlhf_fusion.loop import (  # noqa: E402
 )
 from rlhf_fusion.loop import advantages as adv  # noqa: E402
 from rlhf_fusion.loop.demo import demo_prompts  # noqa: E402
+from rlhf_fusion.loop.resolve import resolve_run  # noqa: E402
 from rlhf_fusion.loop.run import prompts_for  # noqa: E402
 from rlhf_fusion.rollout.inference import Experience  # noqa: E402
 from rlhf_fusion.triton_kernels import gae_reference  # noqa: E402
@@ -323,4 +324,4 @@ def test_vllm_generation_backend_in_the_loop(tmp_path, monkeypatch):
         bad = tiny(2, mechanism="kv")
         bad.models = ModelsConfig(actor=str(model))
         bad.generation.backend = "vllm"
-        bad.validate()
+        resolve_run(bad)

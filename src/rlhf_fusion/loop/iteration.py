@@ -70,8 +70,8 @@ from .placement import (
     TRAIN_CALL,
     LoopPlacement,
     check_micro_batches,
-    placement_of,
 )
+from .resolve import ResolvedRun, resolve_run
 
 
 class LoopStageError(RLHFFusionError, RuntimeError):
@@ -106,15 +106,19 @@ class PPOWorker:
     """One rank's share of an iteration under a placement (see the module docstring): its
     models, generation instance, scorers, training stages or copies, and optimizers.
 
+    ``cfg``: the :class:`~rlhf_fusion.loop.resolve.ResolvedRun` (or a config, resolved here).
     ``placement``: the run's :class:`~rlhf_fusion.loop.placement.LoopPlacement`; by default
-    the config's (``placement_of(cfg)``: every call on every rank unless a preset or a plan
-    says otherwise)."""
+    the resolved run's (every call on every rank unless a preset or a plan says otherwise).
+    The training layouts' kind picks the training engine
+    (:func:`rlhf_fusion.runtime.training_engine.engine_for`); the worker asks the engine."""
 
-    def __init__(self, cfg: RLHFConfig, *, models: Models | None = None,
+    def __init__(self, cfg: RLHFConfig | ResolvedRun, *, models: Models | None = None,
                  device: torch.device | str = "cpu",
                  placement: LoopPlacement | None = None) -> None:
-        cfg.validate()
-        self.cfg = cfg
+        # Resolved once before the processes started (rlhf_fusion.loop.train); a bare config
+        # (a caller that owns its processes) is resolved here, its sources unread.
+        run = resolve_run(cfg, sources=False)
+        cfg = self.cfg = run.config
         self.device = torch.device(device)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -122,7 +126,7 @@ class PPOWorker:
         if self.world != cfg.world_size and self.distributed:
             raise LoopConfigError(f"world_size: the config says {cfg.world_size}, the process "
                                   f"group has {self.world} ranks")
-        self.placement = self._placement(placement)
+        self.placement = self._placement(placement if placement is not None else run.placement)
         # The trained roles, as data: each one a training call of the placement.
         self.roles: tuple[str, ...] = tuple(ROLES)
         # Every rank creates every group, in the same order (new_group is collective): the
@@ -150,7 +154,7 @@ class PPOWorker:
     def _placement(self, given: LoopPlacement | None) -> LoopPlacement:
         if given is not None:
             check_micro_batches(self.cfg.ppo, self.cfg.generation.prompts_per_iteration, given)
-        lp = given if given is not None else placement_of(self.cfg)
+        lp = given
         if lp is None:
             raise LoopConfigError("placement.search: search the plan before building the "
                                   "workers (rlhf_fusion.loop.train does, once)")

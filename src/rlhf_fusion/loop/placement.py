@@ -53,7 +53,7 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import RLHFFusionError
 from ..placement.graph import CALL_KIND, CALLS, TRAIN_CALL
@@ -65,10 +65,8 @@ from ..placement.layout import (  # noqa: F401  (the kinds, named here for the l
     ZERO3,
     Layout,
 )
+from .config import FROZEN_MODELS, PPOLoopConfig, RLHFConfig, offload_names  # noqa: F401
 from .errors import LoopConfigError
-
-if TYPE_CHECKING:
-    from .config import PPOLoopConfig, RLHFConfig
 
 INFERENCE_CALLS = tuple(c for c in CALLS if CALL_KIND[c] == "inference")
 
@@ -79,8 +77,6 @@ TRAINING_KINDS = KINDS
 # Where each trained model's weights go after a round (the Critic-inference copy is the model
 # ``critic_inf`` scores with; the Actor's generation copy lives in the backend).
 SYNC_TARGET = {"actor": "actor_gen", "critic": "critic_inf"}
-
-FROZEN_MODELS = ("ref", "reward")
 
 
 class PlacementConfigError(RLHFFusionError, ValueError):
@@ -263,27 +259,6 @@ def check_micro_batches(ppo: PPOLoopConfig, batch: int, placement: LoopPlacement
                 f"ppo.micro_batches: {m} micro-batches per mini-batch and replica cannot be "
                 f"shared by the {k} data-parallel ranks of {call} in {where}; use a "
                 f"multiple of {k}")
-
-
-def offload_names(value: Any) -> tuple[str, ...] | None:
-    """``placement.offload`` as a tuple of frozen model names (``None``: not set)."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return FROZEN_MODELS if value else ()
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise LoopConfigError(f"placement.offload: {value!r}; give true (Ref and Reward), "
-                              "false, or a list of model names such as [ref, reward]")
-    for v in value:
-        if v in ("actor", "critic"):
-            raise LoopConfigError(
-                f"placement.offload: {v} is trained every iteration and cannot live in host "
-                "memory between calls; only the frozen ref and reward can: use [ref], "
-                "[reward], [ref, reward] or true")
-        if v not in FROZEN_MODELS:
-            raise LoopConfigError(f"placement.offload: unknown model {v!r}; use [ref], "
-                                  "[reward], [ref, reward] or true")
-    return tuple(m for m in FROZEN_MODELS if m in value)
 
 
 def resolve(preset: str | None, plan: str | Path | None, world_size: int,
