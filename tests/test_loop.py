@@ -185,12 +185,14 @@ def _die_in_training(stage: str, rank: int, iteration: int) -> None:
         os._exit(3)
 
 
-def faulty_rank_main(rank, world, *args):
-    from rlhf_fusion.loop import iteration
+def faulty_rank_main(rank, world, cfg, *args):
+    import dataclasses
+
+    from rlhf_fusion.loop.resolve import RunHooks
     from rlhf_fusion.loop.run import rank_main
 
-    iteration._stage_hook = _die_in_training
-    return rank_main(rank, world, *args)
+    run = dataclasses.replace(resolve_run(cfg), hooks=RunHooks(on_stage=_die_in_training))
+    return rank_main(rank, world, run, *args)
 
 
 def test_a_rank_dying_mid_iteration_names_rank_and_stage():

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,8 +78,6 @@ class LoopStageError(RLHFFusionError, RuntimeError):
     """A stage of an iteration failed on this rank; the message names the rank and the stage."""
 
 
-# Tests only: called with (stage, rank, iteration) as each stage starts, to inject faults.
-_stage_hook: Callable[[str, int, int], None] | None = None
 
 
 def ppo_config(cfg: RLHFConfig) -> PPOConfig:
@@ -119,6 +117,7 @@ class PPOWorker:
         # (a caller that owns its processes) is resolved here, its sources unread.
         run = resolve_run(cfg, sources=False)
         cfg = self.cfg = run.config
+        self.hooks = run.hooks
         self.device = torch.device(device)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -520,8 +519,8 @@ class PPOWorker:
     @contextlib.contextmanager
     def _stage(self, name: str) -> Iterator[None]:
         note_stage(f"{name} of iteration {self.iteration_index}")
-        if _stage_hook is not None:
-            _stage_hook(name, self.rank, self.iteration_index)
+        if self.hooks.on_stage is not None:
+            self.hooks.on_stage(name, self.rank, self.iteration_index)
         try:
             yield
         except LoopStageError:

@@ -11,6 +11,7 @@ decoder layers, tensor-parallel degrees against heads and widths).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,14 +22,26 @@ from .placement import LoopPlacement, placement_of
 
 
 @dataclass(frozen=True)
+class RunHooks:
+    """Observers a run's ranks call, injected through the :class:`ResolvedRun` (tests use them
+    to kill or fail a rank at a chosen point): ``on_stage(stage, rank, iteration)`` as each
+    stage of an iteration starts; ``on_note(text)`` each time the rank enters any stage
+    (:func:`rlhf_fusion.launch.note_stage`). Picklable functions: the ranks are spawned."""
+
+    on_stage: Callable[[str, int, int], None] | None = None
+    on_note: Callable[[str], None] | None = None
+
+
+@dataclass(frozen=True)
 class ResolvedRun:
     """A checked config with its placement (``None`` while ``placement.search`` is pending:
     the search runs once, then the searched config is resolved) and, when the sources were
-    read, its models' shapes."""
+    read, its models' shapes; ``hooks``: what its ranks call as they go (none by default)."""
 
     config: RLHFConfig
     placement: LoopPlacement | None
     shapes: ModelShapes | None = None
+    hooks: RunHooks = RunHooks()
 
 
 def resolve_run(cfg: RLHFConfig | ResolvedRun, *, sources: bool = True) -> ResolvedRun:

@@ -384,7 +384,7 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig | ResolvedRun, prompt_ids: 
     run at the next iteration boundary, every rank at the same one, after writing that
     iteration's checkpoint; ``stopped`` in the result is that iteration (None: the run
     ended)."""
-    from ..launch import agree_to_stop, note_stage, stop_requested
+    from ..launch import agree_to_stop, listen_to_stages, note_stage, stop_requested
     from .checkpoint import (
         load_checkpoint,
         load_worker_state,
@@ -395,6 +395,8 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig | ResolvedRun, prompt_ids: 
 
     run = resolve_run(cfg, sources=False)   # resolved by train: handed over as it is
     cfg = run.config
+    if run.hooks.on_note is not None:
+        listen_to_stages(run.hooks.on_note)
     note_stage("building the models")
     torch.manual_seed(cfg.models.seed)
     worker = PPOWorker(run) if device == "cpu" else PPOWorker(run, device=device)
