@@ -76,6 +76,14 @@ class EngineSpec:
     solver: str = "auto"
     solver_time_limit: float = 5.0
     timeout_s: float = 120.0
+    #: The losses (default: :func:`~rlhf_fusion.runtime.fused.default_loss_fns` of ``ppo``)
+    #: and the micro-batches one replica runs per step (default: ``ppo.micro_batches``).
+    loss_fns: Mapping[str, Callable] | None = None
+    micro_batches: int | None = None
+    trace: bool = True   # time every pipeline instruction (trace_events)
+
+    def losses(self) -> Mapping[str, Callable]:
+        return self.loss_fns if self.loss_fns is not None else default_loss_fns(self.ppo)
 
     @property
     def roles(self) -> tuple[str, ...]:
@@ -176,10 +184,11 @@ class FusedPipelineEngine(TrainingEngine):
         s = self.spec
         self._shapes = {role: shapes_of(models[role]) for role in s.roles}
         self._tied = {role: tied_aliases(models[role]) for role in s.roles}
-        problem = fused_problem(stage_groups=s.stage_groups, micro_batches=s.ppo.micro_batches,
+        micro = s.micro_batches if s.micro_batches is not None else s.ppo.micro_batches
+        problem = fused_problem(stage_groups=s.stage_groups, micro_batches=micro,
                                 **{f"{role}_stages": s.layouts[role].pp for role in s.roles})
         self.fused = partition_rank(problem, {role: models[role] for role in s.roles}, s.rank,
-                                    loss_fns=default_loss_fns(s.ppo), replicas=s.replicas,
+                                    loss_fns=dict(s.losses()), replicas=s.replicas,
                                     device=s.device)
         self.roles = tuple(self.fused.stages)
         self.optimizers = s.make_optimizers(
@@ -193,10 +202,10 @@ class FusedPipelineEngine(TrainingEngine):
         # timeline shows the fused Actor/Critic pipeline and time/train_compute counts it.
         if s.intra:
             self.schedule = self.fused.plan(mbs, solver=s.solver, time_limit=s.solver_time_limit,
-                            timeout=s.timeout_s, device=s.device, trace=True)
+                                            timeout=s.timeout_s, device=s.device, trace=s.trace)
         else:
-            self.schedule = self.fused.plan(mbs, schedule=self._serial(), timeout=s.timeout_s, device=s.device,
-                            serial=True, trace=True)
+            self.schedule = self.fused.plan(mbs, schedule=self._serial(), timeout=s.timeout_s,
+                                            device=s.device, serial=True, trace=s.trace)
 
     def _serial(self) -> Any:
         from ..schedule import solve
@@ -283,7 +292,7 @@ class FusedPipelineEngine(TrainingEngine):
             if not intra:   # the serial order needs no profiling: build it now, off the clock
                 s = self.spec
                 self.fused.build(self._serial(), timeout=s.timeout_s, device=s.device,
-                                 serial=True, trace=True)
+                                 serial=True, trace=s.trace)
 
     def close(self) -> None:
         self.fused.close()
@@ -321,7 +330,7 @@ class DataParallelEngine(TrainingEngine):
         summed over the call's ranks, then one clipped optimizer step (the arithmetic of one
         device)."""
         s = self.spec
-        loss_fns = default_loss_fns(s.ppo)
+        loss_fns = s.losses()
         out: dict[str, float] = {}
         for role in self.roles:
             out.update(data_parallel_step(self.models[role], role, s.layouts[role], s.rank,
