@@ -81,6 +81,14 @@ class EngineSpec:
     loss_fns: Mapping[str, Callable] | None = None
     micro_batches: int | None = None
     trace: bool = True   # time every pipeline instruction (trace_events)
+    #: The fused pipeline's own inputs, where its user has them: the problem (default: from
+    #: the layouts), each model's layer split, the models' sizes for the planner's tie
+    #: rule, the profiling repeats and a given schedule (no profiling).
+    problem: Any = None
+    layers: Mapping[str, Sequence[int] | None] | None = None
+    sizes: Mapping[str, float] | None = None
+    profile_repeats: int = 2
+    schedule: Any = None
 
     def losses(self) -> Mapping[str, Callable]:
         return self.loss_fns if self.loss_fns is not None else default_loss_fns(self.ppo)
@@ -184,12 +192,14 @@ class FusedPipelineEngine(TrainingEngine):
         s = self.spec
         self._shapes = {role: shapes_of(models[role]) for role in s.roles}
         self._tied = {role: tied_aliases(models[role]) for role in s.roles}
-        micro = s.micro_batches if s.micro_batches is not None else s.ppo.micro_batches
-        problem = fused_problem(stage_groups=s.stage_groups, micro_batches=micro,
-                                **{f"{role}_stages": s.layouts[role].pp for role in s.roles})
+        problem = s.problem
+        if problem is None:
+            micro = s.micro_batches if s.micro_batches is not None else s.ppo.micro_batches
+            problem = fused_problem(stage_groups=s.stage_groups, micro_batches=micro,
+                                    **{f"{role}_stages": s.layouts[role].pp for role in s.roles})
         self.fused = partition_rank(problem, {role: models[role] for role in s.roles}, s.rank,
-                                    loss_fns=dict(s.losses()), replicas=s.replicas,
-                                    device=s.device)
+                                    loss_fns=dict(s.losses()), layers=s.layers,
+                                    replicas=s.replicas, device=s.device)
         self.roles = tuple(self.fused.stages)
         self.optimizers = s.make_optimizers(
             {role: list(st.parameters()) for role, st in self.fused.stages.items()})
@@ -201,8 +211,10 @@ class FusedPipelineEngine(TrainingEngine):
         # The engine traces every instruction (a perf_counter pair each): the iteration's
         # timeline shows the fused Actor/Critic pipeline and time/train_compute counts it.
         if s.intra:
-            self.schedule = self.fused.plan(mbs, solver=s.solver, time_limit=s.solver_time_limit,
-                                            timeout=s.timeout_s, device=s.device, trace=s.trace)
+            self.schedule = self.fused.plan(
+                mbs, schedule=s.schedule, solver=s.solver, time_limit=s.solver_time_limit,
+                profile_repeats=s.profile_repeats, timeout=s.timeout_s, device=s.device,
+                sizes=s.sizes, trace=s.trace)
         else:
             self.schedule = self.fused.plan(mbs, schedule=self._serial(), timeout=s.timeout_s,
                                             device=s.device, serial=True, trace=s.trace)
