@@ -70,6 +70,7 @@ from .placement import (
     TRAIN_CALL,
     LoopPlacement,
     check_micro_batches,
+    check_trainable,
 )
 from .resolve import ResolvedRun, resolve_run
 
@@ -151,9 +152,10 @@ class PPOWorker:
         self.iteration_index = 0
 
     def _placement(self, given: LoopPlacement | None) -> LoopPlacement:
-        if given is not None:
-            check_micro_batches(self.cfg.ppo, self.cfg.generation.prompts_per_iteration, given)
         lp = given
+        if lp is not None:   # cheap, and a caller may hand the worker any placement
+            check_micro_batches(self.cfg.ppo, self.cfg.generation.prompts_per_iteration, lp)
+            check_trainable(lp)
         if lp is None:
             raise LoopConfigError("placement.search: search the plan before building the "
                                   "workers (rlhf_fusion.loop.train does, once)")

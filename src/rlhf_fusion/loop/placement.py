@@ -107,8 +107,9 @@ class LoopPlacement:
             cs = critic_stages or stages
             replicas = world_size // stages
             calls["actor_train"] = Layout(world_size // stages, pp=stages, ranks=every,
-                                          fused=True)
-            calls["critic_train"] = Layout(world_size // cs, pp=cs, ranks=every, fused=True)
+                                          kind=FUSED_PIPELINE)
+            calls["critic_train"] = Layout(world_size // cs, pp=cs, ranks=every,
+                                           kind=FUSED_PIPELINE)
         return cls("default", calls, world_size, offload, replicas)
 
     # -- queries the worker asks -----------------------------------------------------------------
@@ -232,6 +233,17 @@ def placement_of(cfg: RLHFConfig) -> LoopPlacement | None:
             lp = dataclasses.replace(lp, offload=own)
     check_micro_batches(cfg.ppo, cfg.generation.prompts_per_iteration, lp)
     return lp
+
+
+def check_trainable(placement: LoopPlacement) -> None:
+    """Every training call's layout kind has a training engine
+    (:data:`rlhf_fusion.runtime.training_engine.ENGINES`), else the reason, by name."""
+    from ..runtime.training_engine import ENGINES
+
+    for kind in placement.training_kinds():
+        if kind not in ENGINES:
+            raise PlacementConfigError(f"placement {placement.name}: training layout {kind!r}; "
+                                       f"the loop runs {', '.join(ENGINES)}")
 
 
 def check_micro_batches(ppo: PPOLoopConfig, batch: int, placement: LoopPlacement | None

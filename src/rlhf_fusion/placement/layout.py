@@ -39,16 +39,20 @@ class Layout:
     """``dp * tp * pp`` ranks (``ranks``, in mesh order; empty while only the degrees are
     chosen, as in the planner's search) and ZeRO stage ``zero`` (0, 2 or 3).
 
-    ``fused``: trained in the fused Actor/Critic pipeline even with one stage per replica
-    (``pp = 1``, the loop's default with ``fusion.pipeline_stages: 1``); ``pp > 1`` is always
-    a pipeline."""
+    ``kind``: which training engine runs it (:data:`KINDS`), derived from the degrees when
+    not given: ``fused_pipeline`` for ``pp > 1``, else ``tensor_parallel`` for ``tp > 1``,
+    else ``zero3`` for ``zero = 3``, else ``data_parallel``. Given, it is kept only where the
+    degrees leave a choice: ``fused_pipeline`` with one stage per replica (the loop's default
+    with ``fusion.pipeline_stages: 1``), or a kind outside :data:`KINDS` (a new engine's,
+    refused by whoever has no engine for it); a known kind is otherwise re-derived, so
+    ``dataclasses.replace`` of the degrees never leaves a stale kind."""
 
     dp: int
     tp: int = 1
     pp: int = 1
     zero: int = 0   # 0; 2: gradients and optimizer state sharded over dp; 3: weights too
     ranks: tuple[int, ...] = ()
-    fused: bool = False
+    kind: str = ""
 
     def __post_init__(self) -> None:
         if min(self.dp, self.tp, self.pp) < 1:
@@ -65,22 +69,14 @@ class Layout:
             raise PlacementError(f"{self}: ranks {list(self.ranks)} repeat a rank")
         if self.dp == 1 and self.zero:
             object.__setattr__(self, "zero", 0)   # sharding over one rank is no sharding
+        derived = (FUSED_PIPELINE if self.pp > 1 else TENSOR_PARALLEL if self.tp > 1
+                   else ZERO3 if self.zero == 3 else DATA_PARALLEL)
+        if self.kind in KINDS and self.kind != FUSED_PIPELINE or not self.kind:
+            object.__setattr__(self, "kind", derived)
 
     @property
     def size(self) -> int:
         return self.dp * self.tp * self.pp
-
-    @property
-    def kind(self) -> str:
-        """Which training engine runs it: a pipeline, tensor parallel, ZeRO-3 or plain data
-        parallel (one of :data:`KINDS`)."""
-        if self.pp > 1 or self.fused:
-            return FUSED_PIPELINE
-        if self.tp > 1:
-            return TENSOR_PARALLEL
-        if self.zero == 3:
-            return ZERO3
-        return DATA_PARALLEL
 
     @property
     def zero3(self) -> bool:
@@ -94,7 +90,7 @@ class Layout:
 
     def on(self, ranks: tuple[int, ...] | list[int]) -> Layout:
         """These degrees on ``ranks``."""
-        return Layout(self.dp, self.tp, self.pp, self.zero, tuple(ranks), self.fused)
+        return Layout(self.dp, self.tp, self.pp, self.zero, tuple(ranks), self.kind)
 
     def degrees(self) -> Layout:
         """These degrees without ranks (what the planner compares)."""

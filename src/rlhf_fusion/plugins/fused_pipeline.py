@@ -39,7 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import Unpack, override
 
-from ..placement.layout import Layout
+from ..placement.layout import FUSED_PIPELINE, Layout
 from ..runtime.checkpoint import (
     aliases,
     local_optimizer_state,
@@ -332,7 +332,7 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
         # Lightning keeps the optimizers (configure_optimizers) and the step's arithmetic.
         self._engine = FusedPipelineEngine(EngineSpec(
             layouts={m.name: Layout(len(every) // m.pipeline_stages, pp=m.pipeline_stages,
-                                    ranks=every, fused=True) for m in problem.models},
+                                    ranks=every, kind=FUSED_PIPELINE) for m in problem.models},
             targets={m.name: Layout(len(every), ranks=every) for m in problem.models},
             rank=self.global_rank, world=len(every), ppo=PPOConfig(),
             make_optimizers=lambda _params: {}, device=self.root_device, distributed=True,
