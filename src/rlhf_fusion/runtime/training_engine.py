@@ -442,8 +442,8 @@ class _Zero3Engine(ShardedEngine):
 
 #: The engine of each layout kind.
 ENGINES: dict[str, type[TrainingEngine]] = {
-    FUSED_PIPELINE: FusedPipelineEngine,
     DATA_PARALLEL: DataParallelEngine,
+    FUSED_PIPELINE: FusedPipelineEngine,
     TENSOR_PARALLEL: ShardedEngine,
     ZERO3: _Zero3Engine,
 }
