@@ -114,9 +114,9 @@ class PPOWorker:
     def __init__(self, cfg: RLHFConfig | ResolvedRun, *, models: Models | None = None,
                  device: torch.device | str = "cpu",
                  placement: LoopPlacement | None = None) -> None:
-        # Resolved once before the processes started (rlhf_fusion.loop.train); a bare config
-        # (a caller that owns its processes) is resolved here, its sources unread.
-        run = resolve_run(cfg, sources=False)
+        # Resolved once before the processes started (rlhf_fusion.loop.train) and handed over
+        # as it is; a bare config (a caller that owns its processes) is resolved here.
+        run = resolve_run(cfg)
         cfg = self.cfg = run.config
         self.hooks = run.hooks
         self.device = torch.device(device)
