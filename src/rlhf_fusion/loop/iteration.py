@@ -521,8 +521,9 @@ class PPOWorker:
     @contextlib.contextmanager
     def _stage(self, name: str) -> Iterator[None]:
         note_stage(f"{name} of iteration {self.iteration_index}")
-        if self.hooks.on_stage is not None:
-            self.hooks.on_stage(name, self.rank, self.iteration_index)
+        hooks = getattr(self, "hooks", None)   # (set in __init__; absent on a bare stand-in)
+        if hooks is not None and hooks.on_stage is not None:
+            hooks.on_stage(name, self.rank, self.iteration_index)
         try:
             yield
         except LoopStageError:
