@@ -47,8 +47,8 @@ from rlhf_fusion.placement import (
     Estimator,
     ExecutionPlan,
     Hardware,
+    Layout,
     ModelShape,
-    ParallelStrategy,
     PlacementProblem,
     make_mesh,
     preset_plan,
@@ -91,7 +91,7 @@ def tp_train_plan(p: PlacementProblem) -> ExecutionPlan:
     """Training with tp=2 on all 4 GPUs, generation and inference data-parallel there: the
     Actor and the Critic are reallocated inside one mesh every iteration."""
     mesh = make_mesh(p.cluster, "main", 0, 1)
-    dp4, tp2 = ParallelStrategy(4, 1, 1), ParallelStrategy(2, 2, 1)
+    dp4, tp2 = Layout(4, 1, 1), Layout(2, 2, 1)
     calls = {c: CallPlacement(mesh, tp2 if c.endswith("_train") else dp4) for c in CALLS}
     return ExecutionPlan(calls, "train tp=2 / infer dp=4")
 

@@ -60,7 +60,7 @@ from rlhf_fusion.placement import (
     DeviceGroup,
     Estimator,
     ExecutionPlan,
-    ParallelStrategy,
+    Layout,
     PlacementProblem,
     make_mesh,
     resolve_model,
@@ -95,9 +95,9 @@ def plans(cluster: Cluster) -> dict[str, ExecutionPlan]:
     """dp=2 everywhere; training tp=2; training ZeRO-3 over both ranks (generation and
     inference data parallel on both ranks in all three)."""
     mesh = make_mesh(cluster, "main", 0, 1)
-    dp = ParallelStrategy(WORLD, 1, 1)
-    train = {"data parallel": dp, "train tp=2": ParallelStrategy(1, WORLD, 1),
-             "train ZeRO-3": ParallelStrategy(WORLD, 1, 1, zero=3)}
+    dp = Layout(WORLD, 1, 1)
+    train = {"data parallel": dp, "train tp=2": Layout(1, WORLD, 1),
+             "train ZeRO-3": Layout(WORLD, 1, 1, zero=3)}
     return {name: ExecutionPlan({c: CallPlacement(mesh, s if c in TRAIN_CALL.values() else dp)
                                  for c in CALLS}, name)
             for name, s in train.items()}

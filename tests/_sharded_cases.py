@@ -88,15 +88,16 @@ def sharded_rank(rank: int, world: int, kind: str, dtype_name: str,
     """Every case on the ``world`` ranks laid out as ``kind`` ("tp": one tensor-parallel
     group; "dp_tp": dp=2 x tp=2; "zero3": ZeRO-3 over all), against the same case on this
     process alone; returns the largest differences."""
+    from rlhf_fusion.placement.layout import Layout
     from rlhf_fusion.runtime.sharded_state import full_state_dict, load_full_state
-    from rlhf_fusion.runtime.sharded_train import TrainLayout, layout_groups, shard_for_training
+    from rlhf_fusion.runtime.sharded_train import layout_groups, shard_for_training
 
     # CriticModel returns a squeezed view; nothing writes to it in place.
     warnings.filterwarnings("ignore", message=".*returned a view tensor")
     dtype = getattr(torch, dtype_name)
     ranks = tuple(range(world))
-    layout = {"tp": TrainLayout(ranks, 1, world), "dp_tp": TrainLayout(ranks, world // 2, 2),
-              "zero3": TrainLayout(ranks, world, 1, 3)}[kind]
+    layout = {"tp": Layout(1, world, ranks=ranks), "dp_tp": Layout(world // 2, 2, ranks=ranks),
+              "zero3": Layout(world, 1, 1, 3, ranks)}[kind]
     groups = {g: dist.new_group(list(g)) for g in layout_groups(layout)}
     out = {}
     for name, family, role, tie in CASES:

@@ -19,6 +19,7 @@ import yaml
 from rlhf_fusion import cli
 from rlhf_fusion.loop import LoopConfigError, RLHFConfig
 from rlhf_fusion.loop.models import _SOURCE_KEYS
+from rlhf_fusion.loop.resolve import resolve_run
 
 # A config that runs (2 ranks, a 2-layer Llama, 8 prompts): each row breaks one field of it.
 BASE = {
@@ -209,14 +210,14 @@ def test_yaml_1e_minus_3_is_a_float(tmp_path):
     cfg = RLHFConfig.from_file(path)
     assert cfg.ppo.learning_rate == 0.001 and cfg.ppo.critic_learning_rate == 0.0005
     assert cfg.fusion.rt == 0.5 and cfg.fusion.timeout_s == 100.0
-    cfg.validate()
+    resolve_run(cfg)
 
 
 def test_negative_numbers_from_python_are_refused_too():
     cfg = RLHFConfig.from_dict(BASE)
     cfg.ppo.max_grad_norm = -1.0
     with pytest.raises(LoopConfigError, match="ppo.max_grad_norm"):
-        cfg.validate()
+        resolve_run(cfg)
 
 
 # --------------------------------------------------------------------------------------------

@@ -231,3 +231,111 @@ def test_no_import_cycle_outside_type_checking():
                      f"count; lazy imports do): {new}; move what both sides need into a "
                      "module of its own")
     assert not gone, f"no longer cycles: remove {gone} from KNOWN_CYCLES"
+
+
+def _loop_cycles_with_type_checking() -> list[list[str]]:
+    """Cycles among loop/ modules, type-only imports included (a cycle that holds only
+    through ``TYPE_CHECKING`` is still a real dependency both ways)."""
+    loop = {m for m in MODULES if m.startswith("rlhf_fusion.loop.")}
+    graph: dict[str, set[str]] = {m: set() for m in loop}
+    for a, b in EDGES:
+        if a in loop and b in loop:
+            graph[a].add(b)
+    cycles = []
+    for start in sorted(loop):   # a path back to itself (depth-first; loop/ is small)
+        stack, seen = [(start, [start])], set()
+        while stack:
+            v, path = stack.pop()
+            for w in sorted(graph[v]):
+                if w == start:
+                    cycles.append(path)
+                elif w not in seen:
+                    seen.add(w)
+                    stack.append((w, [*path, w]))
+    return cycles
+
+
+def test_no_import_cycle_inside_loop_type_checking_included():
+    cycles = _loop_cycles_with_type_checking()
+    assert not cycles, ("import cycles among loop/ modules (TYPE_CHECKING imports count): "
+                        f"{cycles[:3]}; the config is a leaf, the resolution "
+                        "(loop/resolve.py) imports what it checks")
+
+
+def _classes_with_layout_fields() -> list[str]:
+    """Classes of src whose fields (class-level annotations) include dp, tp and pp."""
+    out = []
+    for module, (path, _) in sorted(MODULES.items()):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                fields = {s.target.id for s in node.body
+                          if isinstance(s, ast.AnnAssign) and isinstance(s.target, ast.Name)}
+                if {"dp", "tp", "pp"} <= fields:
+                    out.append(f"{module}.{node.name}")
+    return out
+
+
+# Not yet the one Layout, and why: schedule/ sits below placement/ in LAYERS, and its
+# frontend's ModelConfig (a model's size with its degrees, the input of derive_problem) cannot
+# import it. The list only shrinks.
+KNOWN_LAYOUT_CLASSES = {"rlhf_fusion.schedule.frontend.ModelConfig"}
+
+
+def test_one_layout_class():
+    # (ranks, dp, tp, pp, zero) is one type; a second one means hand-written conversions.
+    found = set(_classes_with_layout_fields())
+    assert found - KNOWN_LAYOUT_CLASSES == {"rlhf_fusion.placement.layout.Layout"}
+    assert KNOWN_LAYOUT_CLASSES <= found, "no longer a layout class: shrink KNOWN_LAYOUT_CLASSES"
+
+
+# What a branch on the training layout's kind looks like in the worker: comparing a kind,
+# testing an engine's class, or asking the placement or the worker which layout trains.
+_KIND_BRANCH_NAMES = {"fused_training", "training_kind", "training_kinds", "_sharded",
+                      "TENSOR_PARALLEL", "ZERO3", "FUSED_PIPELINE", "DATA_PARALLEL"}
+
+
+def _kind_branches(source: str) -> list[str]:
+    """Where ``source`` branches on a training layout's kind: any use of ``.kind`` (the
+    engine is picked from it in one place: ``engine_for`` or the ``ENGINES`` table, outside
+    the worker), any ``isinstance`` against an engine class, any name or attribute in
+    :data:`_KIND_BRANCH_NAMES`, the worker's own ``self.fused``."""
+    from rlhf_fusion.runtime.training_engine import ENGINES
+
+    engines = {cls.__name__ for cls in ENGINES.values()} | {"TrainingEngine"}
+    bad = []
+    for node in ast.walk(ast.parse(source)):
+        line = getattr(node, "lineno", 0)
+        if isinstance(node, ast.Attribute) and node.attr in _KIND_BRANCH_NAMES:
+            bad.append(f"line {line}: .{node.attr}")
+        elif (isinstance(node, ast.Attribute) and node.attr == "fused"
+              and isinstance(node.value, ast.Name) and node.value.id == "self"):
+            bad.append(f"line {line}: self.fused")   # (inter-stage fusion's flag is not it)
+        elif isinstance(node, ast.Name) and node.id in _KIND_BRANCH_NAMES:
+            bad.append(f"line {line}: {node.id}")
+        elif isinstance(node, ast.Compare) and any(
+                isinstance(x, ast.Attribute) and x.attr == "kind"
+                for x in (node.left, *node.comparators)):
+            bad.append(f"line {line}: a comparison of .kind")
+        elif (isinstance(node, ast.Call) and getattr(node.func, "id", None) == "isinstance"
+              and len(node.args) == 2 and any(
+                  isinstance(n, ast.Name) and n.id in engines for n in ast.walk(node.args[1]))):
+            bad.append(f"line {line}: isinstance against an engine class")
+    return bad
+
+
+def test_the_worker_does_not_branch_on_the_training_layout_kind():
+    path = SRC / PACKAGE / "loop" / "iteration.py"
+    bad = _kind_branches(path.read_text())
+    assert not bad, ("loop/iteration.py branches on the training layout's kind; ask the "
+                     "training engine (rlhf_fusion/runtime/training_engine.py) instead:\n"
+                     + "\n".join(bad))
+
+
+def test_the_kind_branch_reader_sees_branches():
+    # A reader that missed these would pass the worker test above whatever the worker did.
+    src = ("if self.placement.fused_training: pass\n"
+           "if lay.kind == 'zero3': pass\n"
+           "if isinstance(self.engine, FusedPipelineEngine): pass\n"
+           "if self.fused is None: pass\n"
+           "if self._sharded(role): pass\n")
+    assert len(_kind_branches(src)) == 5

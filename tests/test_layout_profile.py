@@ -10,8 +10,8 @@ import pytest
 
 from rlhf_fusion.placement import PlacementError, PlacementProblem, preset_plan
 from rlhf_fusion.placement.costs import CostModel
+from rlhf_fusion.placement.layout import Layout
 from rlhf_fusion.placement.profile import Profile, layout_key, parse_layout_key
-from rlhf_fusion.placement.strategy import ParallelStrategy
 
 LAYOUTS = [(2, 1, 0), (1, 2, 0), (2, 1, 3)]
 
@@ -88,7 +88,7 @@ def test_a_measured_layout_replaces_every_analytic_term():
     p = _problem({**WHOLE, "layouts": {"dp=1 tp=2 zero=0": TP2}})
     plan = preset_plan(p, "colocated")
     mesh = plan.calls["actor_train"].mesh
-    tp2 = ParallelStrategy(1, 2, 1)
+    tp2 = Layout(1, 2, 1)
     m = p.models["actor"]
     lay = Profile.from_dict(TP2)
     # per mini-batch: 32 samples per replica in micro-batches of 8 (8 x 512 tokens)
@@ -102,10 +102,10 @@ def test_a_measured_layout_replaces_every_analytic_term():
     assert lay.layer_forward(tok) == TP2["forward"][4096]
     # an unprofiled layout keeps the analytic cost (the whole-copy table at tokens / tp,
     # the tp all-reduces, the optimizer): a different figure
-    zero3 = ParallelStrategy(2, 1, 1, zero=3)
+    zero3 = Layout(2, 1, 1, zero=3)
     assert cost.measured_layout("actor_train", zero3) is None
-    assert cost.measured_layout("actor_train", ParallelStrategy(1, 2, 1)) is not None
-    assert cost.measured_layout("actor_train", ParallelStrategy(1, 1, 2)) is None   # pp
+    assert cost.measured_layout("actor_train", Layout(1, 2, 1)) is not None
+    assert cost.measured_layout("actor_train", Layout(1, 1, 2)) is None   # pp
     p_plain = _problem(WHOLE)
     assert CostModel(p_plain).train_time("actor_train", mesh, tp2) != pytest.approx(want)
     # the Critic has no profile: untouched by the Actor's
@@ -120,7 +120,7 @@ def test_a_profile_of_layouts_alone_leaves_inference_to_the_flop_model():
     assert CostModel(p).inference_time("ref_inf", mesh, s) == pytest.approx(
         CostModel(_problem(None)).inference_time("ref_inf", mesh, s))
     # and training in a layout it did not measure
-    dp2 = ParallelStrategy(2, 1, 1)
+    dp2 = Layout(2, 1, 1)
     assert CostModel(p).train_time("actor_train", mesh, dp2) == pytest.approx(
         CostModel(_problem(None)).train_time("actor_train", mesh, dp2))
 
@@ -159,7 +159,7 @@ def test_a_sharded_layouts_weight_sync_starts_from_its_measured_gather():
     gathered = {**TP2, "gather": {10**8: 0.25, 2 * 10**8: 0.45}}
     p = _problem({**WHOLE, "layouts": {"dp=1 tp=2 zero=0": gathered}})
     mesh = preset_plan(p, "colocated").calls["actor_train"].mesh
-    dp2, tp2 = ParallelStrategy(2, 1, 1), ParallelStrategy(1, 2, 1)
+    dp2, tp2 = Layout(2, 1, 1), Layout(1, 2, 1)
     plan = ExecutionPlan({c: CallPlacement(mesh, tp2 if c.endswith("_train") else dp2)
                           for c in CALLS}, "tp train")
     est = Estimator(p).estimate(plan)
@@ -191,9 +191,9 @@ def test_cli_profiles_layouts_the_planner_reads(tmp_path, capsys):
         "cluster": {"nodes": 1, "gpus_per_node": 2}, "batch": 8, "prompt_len": 16,
         "gen_len": 16, "profiles": {"actor": str(out)}})
     cost = CostModel(p)
-    assert cost.measured_layout("actor_train", ParallelStrategy(1, 2, 1)) is not None
-    assert cost.measured_layout("actor_train", ParallelStrategy(2, 1, 1, zero=3)) is not None
-    assert cost.measured_layout("actor_train", ParallelStrategy(2, 1, 1)) is None
+    assert cost.measured_layout("actor_train", Layout(1, 2, 1)) is not None
+    assert cost.measured_layout("actor_train", Layout(2, 1, 1, zero=3)) is not None
+    assert cost.measured_layout("actor_train", Layout(2, 1, 1)) is None
     assert main([*args, "--layout", "tensor=2"]) == 2
     assert "write it as 'dp=2 tp=1 zero=3'" in capsys.readouterr().err
     assert main([*args, "--layout", "tp=4", "--world", "2"]) == 2

@@ -21,6 +21,7 @@ from rlhf_fusion.loop import (  # noqa: E402
 )
 from rlhf_fusion.loop import advantages as adv  # noqa: E402
 from rlhf_fusion.loop.demo import demo_prompts  # noqa: E402
+from rlhf_fusion.loop.resolve import resolve_run  # noqa: E402
 from rlhf_fusion.loop.run import prompts_for  # noqa: E402
 from rlhf_fusion.rollout.inference import Experience  # noqa: E402
 from rlhf_fusion.triton_kernels import gae_reference  # noqa: E402
@@ -184,12 +185,14 @@ def _die_in_training(stage: str, rank: int, iteration: int) -> None:
         os._exit(3)
 
 
-def faulty_rank_main(rank, world, *args):
-    from rlhf_fusion.loop import iteration
+def faulty_rank_main(rank, world, cfg, *args):
+    import dataclasses
+
+    from rlhf_fusion.loop.resolve import RunHooks
     from rlhf_fusion.loop.run import rank_main
 
-    iteration._stage_hook = _die_in_training
-    return rank_main(rank, world, *args)
+    run = dataclasses.replace(resolve_run(cfg), hooks=RunHooks(on_stage=_die_in_training))
+    return rank_main(rank, world, run, *args)
 
 
 def test_a_rank_dying_mid_iteration_names_rank_and_stage():
@@ -323,4 +326,4 @@ def test_vllm_generation_backend_in_the_loop(tmp_path, monkeypatch):
         bad = tiny(2, mechanism="kv")
         bad.models = ModelsConfig(actor=str(model))
         bad.generation.backend = "vllm"
-        bad.validate()
+        resolve_run(bad)

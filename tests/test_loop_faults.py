@@ -70,11 +70,15 @@ def _kill_at(kill_rank: int, rank: int, target: str, stamp: str):
 def killing_rank_main(rank, world, kill_rank, target, stamp, *args):
     """rank_main, except that ``kill_rank`` SIGKILLs itself on entering a stage that contains
     ``target``."""
-    from rlhf_fusion import launch
+    import dataclasses
+
+    from rlhf_fusion.loop.resolve import RunHooks, resolve_run
     from rlhf_fusion.loop.run import rank_main
 
-    launch._stage_hook = _kill_at(kill_rank, rank, target, stamp)
-    return rank_main(rank, world, *args)
+    run, *rest = args
+    run = dataclasses.replace(resolve_run(run, sources=False),
+                              hooks=RunHooks(on_note=_kill_at(kill_rank, rank, target, stamp)))
+    return rank_main(rank, world, run, *rest)
 
 
 def descendants() -> list[psutil.Process]:
@@ -136,7 +140,7 @@ def dying_rollout_worker(rank, world, stamp, job):
     from rlhf_fusion import launch
     from rlhf_fusion.testing.rollout import tiny_job_worker
 
-    launch._stage_hook = _kill_at(1, rank, "generation until the migration trigger", stamp)
+    launch.listen_to_stages(_kill_at(1, rank, "generation until the migration trigger", stamp))
     return tiny_job_worker(rank, world, job)
 
 

@@ -17,14 +17,15 @@ from test_loop import assert_same_run, run, tiny  # noqa: E402
 
 from rlhf_fusion.loop import LoopConfigError, PlacementSection  # noqa: E402
 from rlhf_fusion.loop.placement import resolve  # noqa: E402
+from rlhf_fusion.loop.resolve import resolve_run  # noqa: E402
 from rlhf_fusion.placement import (  # noqa: E402
     Cluster,
     PlacementProblem,
     make_mesh,
     search,
 )
+from rlhf_fusion.placement.layout import Layout  # noqa: E402
 from rlhf_fusion.placement.plan import CallPlacement, ExecutionPlan  # noqa: E402
-from rlhf_fusion.placement.strategy import ParallelStrategy  # noqa: E402
 
 WORLD = 4
 MICRO = 4   # micro-batches per mini-batch: every training call's dp (1, 2 or 4) divides it
@@ -201,12 +202,12 @@ def test_a_plans_offload_is_honoured(colocated, tmp_path):
 def _plan_file(tmp_path, offload=(), world=WORLD, **override) -> str:
     cluster = Cluster.uniform(1, world)
     mesh = make_mesh(cluster, "main", 0, 1)
-    calls = {c: CallPlacement(mesh, ParallelStrategy(world, 1, 1))
+    calls = {c: CallPlacement(mesh, Layout(world, 1, 1))
              for c in ("actor_gen", "ref_inf", "reward_inf", "critic_inf", "actor_train",
                        "critic_train")}
     for c, (ranks_start, n, *strategy) in override.items():
         calls[c] = CallPlacement(make_mesh(cluster, "main", 0, 1, ranks_start, n),
-                                 ParallelStrategy(*strategy))
+                                 Layout(*strategy))
     path = tmp_path / "plan.json"
     ExecutionPlan(calls, "test", tuple(offload)).save(path, cluster)
     return str(path)
@@ -225,7 +226,7 @@ def test_unsupported_plans_are_rejected_with_the_reason(tmp_path, override, mess
     cfg = tiny(WORLD, micro_batches=MICRO,
                placement=PlacementSection(plan=_plan_file(tmp_path, **override)))
     with pytest.raises(LoopConfigError, match=message):
-        cfg.validate()
+        resolve_run(cfg)
 
 
 def test_a_tp_that_does_not_split_the_heads_is_rejected_before_start(tmp_path):
@@ -233,33 +234,33 @@ def test_a_tp_that_does_not_split_the_heads_is_rejected_before_start(tmp_path):
     path = _plan_file(tmp_path, actor_train=(0, 4, 1, 4, 1))
     with pytest.raises(LoopConfigError, match=r"actor_train tp=4\): tp=4 does not divide its "
                                               r"key/value heads \(2\)"):
-        tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(plan=path)).validate()
+        resolve_run(tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(plan=path)))
 
 
 def test_bad_placements_are_rejected_before_start(tmp_path):
     with pytest.raises(LoopConfigError, match="unknown placement preset"):
-        tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(preset="spread")).validate()
+        resolve_run(tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(preset="spread")))
     with pytest.raises(LoopConfigError, match="data-parallel ranks of actor_train"):
-        tiny(WORLD, micro_batches=2, placement=PlacementSection(preset="colocated")).validate()
+        resolve_run(tiny(WORLD, micro_batches=2, placement=PlacementSection(preset="colocated")))
     with pytest.raises(LoopConfigError, match="power of two"):
-        tiny(6, micro_batches=4, placement=PlacementSection(preset="colocated")).validate()
+        resolve_run(tiny(6, micro_batches=4, placement=PlacementSection(preset="colocated")))
     with pytest.raises(LoopConfigError, match="remove them"):
-        tiny(WORLD, micro_batches=MICRO, pipeline_stages=2,
-             placement=PlacementSection(preset="colocated")).validate()
+        resolve_run(tiny(WORLD, micro_batches=MICRO, pipeline_stages=2,
+             placement=PlacementSection(preset="colocated")))
     with pytest.raises(LoopConfigError, match="one of preset, plan or search"):
-        tiny(WORLD, micro_batches=MICRO,
-             placement=PlacementSection(preset="interleaved", search=5.0)).validate()
+        resolve_run(tiny(WORLD, micro_batches=MICRO,
+             placement=PlacementSection(preset="interleaved", search=5.0)))
     with pytest.raises(LoopConfigError, match="search time in seconds"):
-        tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(search=0.0)).validate()
+        resolve_run(tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(search=0.0)))
     with pytest.raises(LoopConfigError, match="write one with `rlhf-fusion place"):
-        tiny(WORLD, micro_batches=MICRO,
-             placement=PlacementSection(plan=str(tmp_path / "missing.json"))).validate()
+        resolve_run(tiny(WORLD, micro_batches=MICRO,
+             placement=PlacementSection(plan=str(tmp_path / "missing.json"))))
     plan = json.loads(open(_plan_file(tmp_path)).read())
     plan["cluster"]["groups"][0]["gpus_per_node"] = 8
     other = tmp_path / "eight.json"
     other.write_text(json.dumps(plan))
     with pytest.raises(LoopConfigError, match="plan for a cluster of 4 devices"):
-        tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(plan=str(other))).validate()
+        resolve_run(tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(plan=str(other))))
 
 
 def test_presets_resolve_to_flexrlhf_rank_sets():
@@ -298,7 +299,7 @@ def test_a_search_at_start_can_profile_the_models_first(tmp_path, monkeypatch):
         assert seen["profiles"][role].forward == {int(k): v for k, v in prof["forward"].items()}
     assert written["ref"] == written["actor"]   # one network, measured once
     with pytest.raises(LoopConfigError, match="give placement.search"):
-        tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(profile=True)).validate()
+        resolve_run(tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(profile=True)))
 
 
 def test_the_default_run_is_a_placement_too():
@@ -327,10 +328,10 @@ def test_micro_batches_is_checked_in_one_place_with_one_meaning():
 
     # 2 replicas x 8 micro-batches do not fit a mini-batch of 8 samples ...
     with pytest.raises(LoopConfigError, match="8 micro-batches x 2 data-parallel replicas"):
-        tiny(WORLD, pipeline_stages=2, micro_batches=8).validate()
+        resolve_run(tiny(WORLD, pipeline_stages=2, micro_batches=8))
     # ... 2 Critic copies in each replica cannot share 1 micro-batch ...
     with pytest.raises(LoopConfigError, match="2 data-parallel ranks of critic_train"):
-        tiny(WORLD, pipeline_stages=2, critic_stages=1, micro_batches=1).validate()
+        resolve_run(tiny(WORLD, pipeline_stages=2, critic_stages=1, micro_batches=1))
     # ... and a placement is one replica whose training calls' ranks share them.
     cfg = tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(preset="interleaved2"))
     lp = placement_of(cfg)

@@ -22,6 +22,7 @@ from rlhf_fusion.loop.models import (  # noqa: E402
     load_tokenizer,
     tiny_config,
 )
+from rlhf_fusion.loop.resolve import resolve_run  # noqa: E402
 from rlhf_fusion.loop.run import prompts_for  # noqa: E402
 from rlhf_fusion.runtime.offload import HostOffload, OffloadedModelError  # noqa: E402
 
@@ -220,13 +221,13 @@ def _frozen_bytes() -> dict[str, int]:
 
 def test_bad_offload_values_name_the_fix():
     with pytest.raises(LoopConfigError, match="actor is trained.*only the frozen ref"):
-        tiny(2, placement=PlacementSection(offload=["actor"])).validate()
+        resolve_run(tiny(2, placement=PlacementSection(offload=["actor"])))
     with pytest.raises(LoopConfigError, match="unknown model 'refs'"):
-        tiny(2, placement=PlacementSection(offload=["refs"])).validate()
+        resolve_run(tiny(2, placement=PlacementSection(offload=["refs"])))
     with pytest.raises(LoopConfigError, match="give true"):
-        tiny(2, placement=PlacementSection(offload="ref")).validate()
+        resolve_run(tiny(2, placement=PlacementSection(offload="ref")))
     cfg = tiny(2, placement=PlacementSection(offload=True))
-    cfg.validate()
+    resolve_run(cfg)
     assert cfg.offloaded() == ("ref", "reward")
     assert tiny(2).offloaded() == ()
 

@@ -21,7 +21,7 @@ from rlhf_fusion.placement import (
     Estimator,
     ExecutionPlan,
     Layout,
-    ParallelStrategy,
+    MeshLayout,
     PlacementError,
     PlacementProblem,
     TNode,
@@ -244,7 +244,7 @@ def test_actor_generation_overlaps_critic_training_on_disjoint_meshes():
     p = problem(nodes=1, gpn=2)
     half0 = make_mesh(p.cluster, "main", 0, 1, 0, 1)
     half1 = make_mesh(p.cluster, "main", 0, 1, 1, 1)
-    one = ParallelStrategy(1, 1, 1)
+    one = Layout(1, 1, 1)
     calls = {c: CallPlacement(half1 if c.startswith("critic") else half0, one) for c in CALLS}
     est = Estimator(p).estimate(ExecutionPlan(calls))
     tl = est.timeline
@@ -275,8 +275,8 @@ def test_memory_is_static_plus_peak_dynamic_and_oom_is_penalised():
     dyn = max(c.dynamic_bytes(k, plan.calls[k].mesh, s, False) for k in CALLS)
     assert e.memory(plan)[0] == pytest.approx(static + dyn)
     one = resolve_model("1b").params
-    assert c.static_bytes("actor", ParallelStrategy(2, 1, 1), True) == pytest.approx(one * (4 + 6))
-    assert c.static_bytes("ref", ParallelStrategy(1, 2, 1), False) == pytest.approx(one)
+    assert c.static_bytes("actor", Layout(2, 1, 1), True) == pytest.approx(one * (4 + 6))
+    assert c.static_bytes("ref", Layout(1, 2, 1), False) == pytest.approx(one)
     ok = e.estimate(plan)
     assert not ok.oom and ok.cost == ok.iteration_time
     # 7B Actor and Critic training on 2 GPUs do not fit: the time is multiplied by the penalty.
@@ -315,18 +315,18 @@ def test_costs_scale_sensibly_and_profiles_interpolate():
     c = CostModel(p)
     node = make_mesh(p.cluster, "main", 0, 1)
     half = make_mesh(p.cluster, "main", 0, 1, 0, 4)
-    t8 = c.time("actor_train", node, ParallelStrategy(8, 1, 1))
-    t4 = c.time("actor_train", half, ParallelStrategy(4, 1, 1))
+    t8 = c.time("actor_train", node, Layout(8, 1, 1))
+    t4 = c.time("actor_train", half, Layout(4, 1, 1))
     assert 1.7 < t4 / t8 < 2.3
     # Decode is memory-bound: more tensor parallelism makes it faster, pipeline stages do not.
-    g_tp = c.time("actor_gen", half, ParallelStrategy(1, 4, 1))
-    g_pp = c.time("actor_gen", half, ParallelStrategy(1, 1, 4))
+    g_tp = c.time("actor_gen", half, Layout(1, 4, 1))
+    g_pp = c.time("actor_gen", half, Layout(1, 1, 4))
     assert g_tp < g_pp
     prof = Profile(forward={1024: 1.0, 4096: 4.0}, backward={1024: 2.0, 4096: 8.0})
     assert prof.layer_forward(1024) == 1.0 and prof.layer_forward(2048) == pytest.approx(2.0)
     assert prof.layer_backward(8192) == pytest.approx(16.0)
     cp = CostModel(p, profiles={"actor": prof})
-    s = ParallelStrategy(1, 1, 1)
+    s = Layout(1, 1, 1)
     one = make_mesh(p.cluster, "main", 0, 1, 0, 1)
     tokens = p.batch * p.seq_len
     assert cp._layer_compute("actor_train", tokens, s, c.hw(one), backward=False) == \
@@ -340,7 +340,7 @@ def test_fusion_hooks_change_the_estimate():
                     gen_len=512, lengths={"median": 100, "sigma": 1.0},
                     fusion={"rollout": True, "train": True})
     node = make_mesh(base.cluster, "main", 0, 1)
-    s = ParallelStrategy(2, 2, 2)
+    s = Layout(2, 2, 2)
     plan = ExecutionPlan({c: CallPlacement(node, s) for c in CALLS})
     e0, e1 = Estimator(base).estimate(plan), Estimator(fused).estimate(plan)
     # Long-tailed responses: the simulator's generation is shorter than every sample at gen_len.
@@ -352,9 +352,9 @@ def test_fusion_hooks_change_the_estimate():
 
 # -- parameter reallocation ------------------------------------------------------------------
 
-def _layouts(cl: Cluster, layers: int, zero3: bool = False) -> list[Layout]:
+def _layouts(cl: Cluster, layers: int, zero3: bool = False) -> list[MeshLayout]:
     model = resolve_model({"params": 1e6, "layers": layers, "hidden": 64})
-    return [Layout(m, s) for m in enumerate_meshes(cl, 1)
+    return [MeshLayout(m, s) for m in enumerate_meshes(cl, 1)
             for s in strategies_for(m, model, zero3=zero3)]
 
 
@@ -373,7 +373,7 @@ def test_reallocation_round_trips_are_exact_and_move_the_minimum():
         assert l0 * fine == int(l0 * fine) and l1 * fine == int(l1 * fine)
         return slice(int(l0 * fine), int(l1 * fine)), slice(int(c0 * cols), int(c1 * cols))
 
-    def materialise(lay: Layout) -> dict[int, np.ndarray]:
+    def materialise(lay: MeshLayout) -> dict[int, np.ndarray]:
         out = {}
         for r, rect in lay.shards(layers).items():
             buf = np.full((layers * fine, cols), np.nan)
@@ -421,8 +421,8 @@ def test_reallocation_prefers_the_cheapest_source():
     model = resolve_model({"params": 1e6, "layers": 2, "hidden": 64})
     both = make_mesh(cl, "main", 0, 2)
     node1 = make_mesh(cl, "main", 1, 1)
-    src = Layout(both, ParallelStrategy(2, 2, 1))   # a full replica on each node
-    dst = Layout(node1, ParallelStrategy(1, 1, 2))
+    src = MeshLayout(both, Layout(2, 2, 1))   # a full replica on each node
+    dst = MeshLayout(node1, Layout(1, 1, 2))
     rp = plan_realloc(model, src, dst, cl)
     assert rp.transfers and all(t.link == "nvlink" for t in rp.transfers)
     assert rp.ib_bytes == rp.min_ib_bytes == 0
@@ -435,11 +435,11 @@ def test_reallocation_prefers_the_cheapest_source():
 def test_zero3_strategy_round_trips_through_a_plan_file():
     p = problem(parallelism="zero3")
     plan = preset_plan(p, "colocated")
-    assert plan.calls["actor_train"].strategy == ParallelStrategy(2, 1, 1, 3)
+    assert plan.calls["actor_train"].strategy == Layout(2, 1, 1, 3)
     assert "zero" in plan.table().splitlines()[0]
     back = ExecutionPlan.from_dict(plan.to_dict(p.cluster), p.cluster)
     assert back.key() == plan.key()
-    assert ParallelStrategy(1, 2, 1, 3) == ParallelStrategy(1, 2, 1)   # one rank: no sharding
+    assert Layout(1, 2, 1, 3) == Layout(1, 2, 1)   # one rank: no sharding
     assert "zero" not in preset_plan(problem(), "colocated").table()
     with pytest.raises(PlacementError, match="parallelism"):
         problem(parallelism="zero2")
@@ -449,8 +449,8 @@ def test_zero3_shards_tile_each_replica_once_and_cost_what_zero3_costs():
     cl = Cluster.uniform(2, 8)
     model = resolve_model("llama-7b")
     node0, both = make_mesh(cl, "main", 0, 1), make_mesh(cl, "main", 0, 2)
-    z = ParallelStrategy(16, 1, 1, 3)
-    shards = Layout(both, z).shards(model.layers)
+    z = Layout(16, 1, 1, 3)
+    shards = MeshLayout(both, z).shards(model.layers)
     assert sum((l1 - l0) * (c1 - c0) for l0, l1, c0, c1 in shards.values()) == model.layers
     p = PlacementProblem.from_dict({"models": {"actor": "llama-7b"},
                                     "cluster": {"nodes": 2, "gpus_per_node": 8},
@@ -458,25 +458,25 @@ def test_zero3_shards_tile_each_replica_once_and_cost_what_zero3_costs():
     c = CostModel(p)
     # static: everything sharded over dp (16 B/param) against Megatron's replicated weights
     assert c.static_bytes("actor", z, True) == pytest.approx(16 * model.params / 16)
-    assert c.static_bytes("actor", ParallelStrategy(16, 1, 1), True) == pytest.approx(
+    assert c.static_bytes("actor", Layout(16, 1, 1), True) == pytest.approx(
         model.params * (4 + 12 / 16))
     assert c.static_bytes("ref", z, False) == pytest.approx(2 * model.params / 16)
     # a gather over InfiniBand (two nodes) is slower than over NVLink (one node)
     g_ib = c.zero_gather("actor_train", both, z)
-    g_nv = c.zero_gather("actor_train", node0, ParallelStrategy(8, 1, 1, 3))
+    g_nv = c.zero_gather("actor_train", node0, Layout(8, 1, 1, 3))
     assert g_ib > 5 * g_nv > 0
-    assert c.zero_gather("actor_train", both, ParallelStrategy(16, 1, 1)) == 0
+    assert c.zero_gather("actor_train", both, Layout(16, 1, 1)) == 0
     # training: at least two gathers and a reduce-scatter per micro-batch, never faster than
     # the same compute without ZeRO-3's traffic
     steps = p.ppo_minibatches * p.ppo_epochs
     t = c.train_time("actor_train", both, z)
     assert t >= 3 * steps * g_ib
-    assert t > c.train_time("actor_train", both, ParallelStrategy(16, 1, 1)) - 1e-9
+    assert t > c.train_time("actor_train", both, Layout(16, 1, 1)) - 1e-9
     assert c.inference_time("ref_inf", both, z) >= g_ib
     # generation in a ZeRO-3 layout gathers every decode step: far slower than the hybrid
     # engine's tensor-parallel layout
     assert c.generate_time(both, z) > p.gen_len * g_ib
-    assert c.generate_time(both, z) > 10 * c.generate_time(both, ParallelStrategy(2, 8, 1))
+    assert c.generate_time(both, z) > 10 * c.generate_time(both, Layout(2, 8, 1))
 
 
 def _zero3_problem(actor: str, nodes: int) -> PlacementProblem:
@@ -495,14 +495,14 @@ def test_zero3_presets_generate_through_the_hybrid_engine():
         if call == "actor_gen":   # the smallest tp that fits: 1 since generation rounds
             assert s.zero == 0 and s.pp == 1   # leave room for the co-resident models
         else:
-            assert s == ParallelStrategy(8, 1, 1, 3)
+            assert s == Layout(8, 1, 1, 3)
     assert est.needs_realloc(plan) == {"actor_gen": "actor"}
     # the engine's gather brings each of the 8 GPUs only the part of its tp shard (P / tp)
     # it lacks: it holds 1/8 of every layer's bytes, so 1/8 of that shard
     tp = plan.calls["actor_gen"].strategy.tp
-    rp = plan_realloc(p.models["actor"], Layout(plan.calls["actor_train"].mesh,
+    rp = plan_realloc(p.models["actor"], MeshLayout(plan.calls["actor_train"].mesh,
                                                plan.calls["actor_train"].strategy),
-                      Layout(plan.calls["actor_gen"].mesh, plan.calls["actor_gen"].strategy),
+                      MeshLayout(plan.calls["actor_gen"].mesh, plan.calls["actor_gen"].strategy),
                       p.cluster)
     assert rp.bytes == pytest.approx(rp.min_bytes)
     assert rp.bytes == pytest.approx(8 * p.models["actor"].param_bytes / tp * 7 / 8)
@@ -568,13 +568,13 @@ def test_lora_charges_gradients_and_adam_state_to_the_adapters_only():
     h, ffn, r = 4096, 11008, 4
     adapters = m.layers * r * (4 * 2 * h + 3 * (h + ffn))   # q k v o, gate up down
     assert c.trainable_params("actor") == pytest.approx(adapters, rel=0.01)
-    z2 = ParallelStrategy(8, 1, 1, 2)
+    z2 = Layout(8, 1, 1, 2)
     assert c.static_bytes("actor", z2, True) == pytest.approx(
         2 * m.params + c.trainable_params("actor") * (2 + 14 / 8))
     full = CostModel(_flex_problem("llama-7b", 1, lora_dim=0))
     assert full.static_bytes("actor", z2, True) == pytest.approx(m.params * (2 + 14 / 8))
     # frozen weights get no weight gradients: 6 instead of 8 FLOPs per param and token
-    s = ParallelStrategy(8, 1, 1)
+    s = Layout(8, 1, 1)
     node = make_mesh(p.cluster, "main", 0, 1)
     assert c._layer_compute("actor_train", 1e4, s, c.hw(node), True) == pytest.approx(
         0.75 * full._layer_compute("actor_train", 1e4, s, c.hw(node), True))
@@ -590,10 +590,10 @@ def test_deepspeed_chat_picks_its_zero_stage_and_hybrid_engine_mode_by_fit(size,
     p = _flex_problem(size, 1)
     est = Estimator(p)
     plan = preset_plan(p, "colocated", estimator=est)
-    assert plan.calls["actor_train"].strategy == ParallelStrategy(8, 1, 1, stage)
+    assert plan.calls["actor_train"].strategy == Layout(8, 1, 1, stage)
     assert plan.calls["ref_inf"].strategy.zero == (3 if stage == 3 else 0)
     gen = plan.calls["actor_gen"]
-    assert gen.strategy == ParallelStrategy(8, 1, 1, gen_zero)
+    assert gen.strategy == Layout(8, 1, 1, gen_zero)
     assert ("actor_gen" in est.needs_realloc(plan)) == realloc
     assert not est.estimate(plan).oom
     if gen_zero == 3:   # every decode step gathers every layer

@@ -22,8 +22,8 @@ from rlhf_fusion.placement import (
     Estimator,
     ExecutionPlan,
     Layout,
+    MeshLayout,
     ModelShape,
-    ParallelStrategy,
     PlacementProblem,
     make_mesh,
     plan_realloc,
@@ -52,7 +52,7 @@ def _setup(pcie_bw: float | None = None) -> tuple[Estimator, ExecutionPlan]:
                                  "reward": CRITIC}, cluster=cluster, batch=16, prompt_len=32,
                          gen_len=32, ppo_minibatches=2, micro_batch_tokens=256)
     m = lambda start, n: make_mesh(cluster, "main", 0, 1, start, n)  # noqa: E731
-    s = ParallelStrategy
+    s = Layout
     calls = {
         "actor_train": CallPlacement(m(0, 4), s(2, 2, 1)),
         "actor_gen": CallPlacement(m(2, 2), s(2, 1, 1)),      # overlapping the training mesh
@@ -101,8 +101,8 @@ def test_emulated_plan_runs_the_estimators_graph() -> None:
                 continue
             model, rest = n.name.split(" ", 1)[1].split("->")
             src, dst = plan.calls[TRAIN_CALL[model]], plan.calls[rest.split("@")[0]]
-            rp = plan_realloc(p.models[model], Layout(src.mesh, src.strategy),
-                              Layout(dst.mesh, dst.strategy), p.cluster)
+            rp = plan_realloc(p.models[model], MeshLayout(src.mesh, src.strategy),
+                              MeshLayout(dst.mesh, dst.strategy), p.cluster)
             assert rp.transfers, n.name
             assert run.recv_bytes[i] == sum(max(1, round(t.nbytes)) for t in rp.transfers)
             assert abs(run.recv_bytes[i] - rp.bytes) <= len(rp.transfers)

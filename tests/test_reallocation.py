@@ -14,7 +14,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from rlhf_fusion.placement import Cluster, Layout, enumerate_meshes, strategies_for
+from rlhf_fusion.placement import Cluster, MeshLayout, enumerate_meshes, strategies_for
 from rlhf_fusion.runtime.realloc_execute import (
     assemble,
     column_rows,
@@ -44,9 +44,9 @@ def _models() -> dict[str, tuple[torch.nn.Module, str]]:
     }
 
 
-def _layouts(cluster: Cluster, table) -> list[Layout]:  # noqa: ANN001
+def _layouts(cluster: Cluster, table) -> list[MeshLayout]:  # noqa: ANN001
     shape = realloc_model_shape(table)
-    return [Layout(m, s) for m in enumerate_meshes(cluster) for s in strategies_for(m, shape)]
+    return [MeshLayout(m, s) for m in enumerate_meshes(cluster) for s in strategies_for(m, shape)]
 
 
 def _clusters() -> dict[str, Cluster]:
@@ -150,7 +150,7 @@ def _all_pairs_rank(rank: int, world: int) -> dict:
     return {"rows": rows, "seconds": time.perf_counter() - t0}
 
 
-def _name(lay: Layout) -> str:
+def _name(lay: MeshLayout) -> str:
     s = lay.strategy
     return f"{lay.mesh.name}({s.dp},{s.tp},{s.pp})"
 
@@ -193,10 +193,10 @@ def _stalled_peer_rank(rank: int, world: int) -> str:
     model, role = _models()["llama"]
     table = param_table(model, role)
     cluster = Cluster.uniform(1, 2)
-    from rlhf_fusion.placement import ParallelStrategy, make_mesh
+    from rlhf_fusion.placement import Layout, make_mesh
 
-    a = Layout(make_mesh(cluster, "main", 0, 1, 0, 1), ParallelStrategy(1, 1, 1))
-    b = Layout(make_mesh(cluster, "main", 0, 1, 1, 1), ParallelStrategy(1, 1, 1))
+    a = MeshLayout(make_mesh(cluster, "main", 0, 1, 0, 1), Layout(1, 1, 1))
+    b = MeshLayout(make_mesh(cluster, "main", 0, 1, 1, 1), Layout(1, 1, 1))
     if rank == 0:
         time.sleep(6.0)
         return "skipped"

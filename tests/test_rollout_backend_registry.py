@@ -7,6 +7,7 @@ import pytest
 
 from rlhf_fusion.integrations.trl.fusion import FusionConfig, FusionConfigError
 from rlhf_fusion.loop import RLHFConfig
+from rlhf_fusion.loop.resolve import resolve_run
 from rlhf_fusion.rollout import backend_registry as registry
 from rlhf_fusion.rollout.types import RolloutConfigError
 
@@ -33,7 +34,7 @@ def test_a_registered_backend_is_one_name_for_the_loop_and_the_trl_trainers(monk
     FusionConfig(backend="mine")  # accepted by the TRL config
     cfg = RLHFConfig.from_dict({**CONFIG, "generation": {**CONFIG["generation"],
                                                          "backend": "mine"}})
-    cfg.validate()  # and by the loop's
+    resolve_run(cfg)  # and by the loop's
 
 
 def test_an_unknown_backend_names_the_registered_ones():

@@ -136,6 +136,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from .loop import LoopConfigError, RLHFConfig, load_prompts, train
     from .loop.checkpoint import checkpoint_dir, complete_checkpoints
     from .loop.demo import demo_prompts
+    from .loop.resolve import resolve_run
 
     # SIGTERM or SIGUSR1: stop at the next iteration boundary with a checkpoint, exit 0
     # (preemption; repeats are the same request); SIGINT, or no boundary within --stop-grace:
@@ -148,7 +149,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if args.iterations is not None:
             cfg.iterations = args.iterations
         try:
-            cfg.validate()
+            resolved = resolve_run(cfg)   # once, before any rank starts; handed to train
         except LoopConfigError as exc:
             raise LoopConfigError(f"{args.config}: {exc}") from None
         if cfg.prompts:
@@ -179,7 +180,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                                  resume=args.resume is not None, joined=group is not None)
             return
         try:
-            out = train(cfg, prompts, out_dir=args.out, checkpoint_every=args.checkpoint_every,
+            out = train(resolved, prompts, out_dir=args.out, checkpoint_every=args.checkpoint_every,
                         resume=args.resume is not None, overwrite=args.overwrite,
                         keep_checkpoints=args.keep_checkpoints)
         except RunInterrupted as exc:

@@ -422,8 +422,15 @@ STAGE_BYTES = 160
 _stage_buf: Any = None  # this rank's shared stage record (set in a launched rank)
 _stage_parts: list[str] = []
 _parent_pid: int | None = None
-_stage_hook: Callable[[str], None] | None = None
-"""Tests only: called with the full stage text each time a rank enters a stage."""
+_stage_listener: Callable[[str], None] | None = None
+
+
+def listen_to_stages(listener: Callable[[str], None] | None) -> None:
+    """Call ``listener`` with the full stage text each time this process enters a stage
+    (``None``: stop). Injected by whoever starts the rank: a run's
+    :class:`~rlhf_fusion.loop.resolve.RunHooks` (fault-injection tests kill a rank there)."""
+    global _stage_listener
+    _stage_listener = listener
 
 
 def note_stage(text: str, level: int = 0) -> None:
@@ -436,8 +443,8 @@ def note_stage(text: str, level: int = 0) -> None:
     full = ": ".join(_stage_parts)
     if _stage_buf is not None:
         _stage_buf.value = full.encode()[: STAGE_BYTES - 1]
-    if _stage_hook is not None:
-        _stage_hook(full)
+    if _stage_listener is not None:
+        _stage_listener(full)
 
 
 def orphaned() -> bool:

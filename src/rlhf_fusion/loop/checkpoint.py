@@ -198,15 +198,10 @@ def shard_keys(worker: Any) -> dict[str, tuple[Any, ...]]:
     so a checkpoint saves one copy of them. Whole data-parallel copies are one piece, so is
     each stage of a fused pipeline in every replica; DTensor shards (tensor parallel,
     ZeRO-3) count as each rank's own (their device mesh is the rank's own)."""
-    fused = getattr(worker, "fused", None)
-    if fused is not None:
-        return {role: ("stage", st.stage, st.num_stages) for role, st in fused.stages.items()}
-    placement = getattr(worker, "placement", None)
-    keys: dict[str, tuple[Any, ...]] = {}
-    for role in worker.training_modules():
-        sharded = placement is None or worker._sharded(role)
-        keys[role] = ("own", worker.rank) if sharded else ("whole",)
-    return keys
+    engine = getattr(worker, "engine", None)
+    if engine is not None:
+        return engine.shard_keys()
+    return {role: ("own", worker.rank) for role in worker.training_modules()}
 
 
 def _same_as(keys: list[dict[str, tuple[Any, ...]]]) -> dict[int, dict[str, int]]:

@@ -18,7 +18,6 @@ from typing import Any
 from ..rollout.backend_registry import backend_names
 from .algorithm_config import AlgorithmConfig, algorithm_from, check_algorithm
 from .errors import LoopConfigError
-from .placement import offload_names, placement_of
 from .reward_functions import is_function_spec, resolve_reward_spec
 
 MECHANISMS = ("kv", "tokens", "auto")
@@ -250,11 +249,10 @@ class RLHFConfig:
         return out
 
     # -- checking --------------------------------------------------------------------------------
-    def validate(self, *, sources: bool = True) -> None:
-        """Raise :class:`LoopConfigError` for anything that cannot run (no process started):
-        every field's type and range, the cross-field rules, and (``sources``) the model
-        sources, built on the meta device (unknown keys, missing folders, unknown reward
-        rules, more pipeline stages than decoder layers)."""
+    def validate(self) -> None:
+        """Raise :class:`LoopConfigError` for what the fields alone cannot run: every field's
+        type and range and the rules between fields. The placement and the model sources are
+        checked against them by :func:`rlhf_fusion.loop.resolve.resolve_run`, once."""
         self._check_fields()
         check_algorithm(self)
         g, p, f = self.generation, self.ppo, self.fusion
@@ -294,11 +292,6 @@ class RLHFConfig:
         if self.placement.profile and self.placement.search is None:
             raise LoopConfigError("placement.profile: profiling feeds the plan search; give "
                                   "placement.search (seconds) with it")
-        placement = placement_of(self)   # the layout checks, ppo.micro_batches's among them
-        if sources:
-            from .models import check_sources
-
-            check_sources(self, placement if self.placement.given else None)
 
     def _check_fields(self) -> None:
         """Each field on its own: its type and its range."""
@@ -401,8 +394,15 @@ class RLHFConfig:
         own = offload_names(self.placement.offload)
         if own is not None:
             return own
-        lp = placement_of(self) if self.placement.plan is not None else None
-        return lp.offload if lp is not None else ()
+        if self.placement.plan is None:
+            return ()
+        import json
+
+        try:   # the plan file's own list (the placement checks the file when resolved)
+            raw = json.loads(Path(self.placement.plan).read_text())
+        except (OSError, ValueError):
+            return ()
+        return tuple(m for m in FROZEN_MODELS if m in (raw.get("offload") or ()))
 
     def stages(self) -> int:
         return self.fusion.pipeline_stages or self.world_size
@@ -422,6 +422,30 @@ class RLHFConfig:
         raise LoopConfigError(
             f"fusion.rt: {rt} is outside the batch of {batch} samples; use a fraction in (0, 1) "
             f"or a count in 1..{batch} (or 'auto')")
+
+
+FROZEN_MODELS = ("ref", "reward")
+
+
+def offload_names(value: Any) -> tuple[str, ...] | None:
+    """``placement.offload`` as a tuple of frozen model names (``None``: not set)."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        return FROZEN_MODELS if value else ()
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise LoopConfigError(f"placement.offload: {value!r}; give true (Ref and Reward), "
+                              "false, or a list of model names such as [ref, reward]")
+    for v in value:
+        if v in ("actor", "critic"):
+            raise LoopConfigError(
+                f"placement.offload: {v} is trained every iteration and cannot live in host "
+                "memory between calls; only the frozen ref and reward can: use [ref], "
+                "[reward], [ref, reward] or true")
+        if v not in FROZEN_MODELS:
+            raise LoopConfigError(f"placement.offload: unknown model {v!r}; use [ref], "
+                                  "[reward], [ref, reward] or true")
+    return tuple(m for m in FROZEN_MODELS if m in value)
 
 
 def _section(cls: type, name: str, value: Any) -> Any:

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,50 +53,26 @@ from ..rollout.inference import Experience, InferenceModels, merge_parts
 from ..rollout.local import LocalFusedRollout
 from ..rollout.rt_control import RtPlanner, TimedBackend, timed_scoring
 from ..rollout.types import SampleSpec
-from ..runtime.fused import (
-    ROLES,
-    default_loss_fns,
-    partition_rank,
-    pipelined_step,
-)
+from ..runtime.fused import ROLES
 from ..runtime.microbatch import split_micro_batches
 from ..runtime.offload import HostOffload, OffloadSet
 from ..runtime.ppo import PPOConfig
-from ..runtime.sharded_state import full_state_dict
-from ..runtime.sharded_train import (
-    TrainLayout,
-    data_parallel_step,
-    layout_groups,
-    shard_for_training,
-)
-from ..runtime.weight_sync import (
-    broadcast_parameters,
-    full_state,
-    minimum_bytes,
-    ownership,
-    shapes_of,
-    stage_parameters,
-    tied_aliases,
-)
-from ..schedule.problem import fused_problem
+from ..runtime.training_engine import ENGINES, EngineSpec, TrainingEngine, engine_for
+from ..runtime.weight_sync import full_state
 from . import advantages as adv
 from .call_queues import CallQueues, NoGeneration, Publishing
 from .config import RLHFConfig
 from .errors import LoopConfigError, LoopLaunchError
 from .models import Models, build_models
 from .placement import (
-    FUSED_PIPELINE,
     INFERENCE_CALLS,
     SYNC_TARGET,
-    TENSOR_PARALLEL,
     TRAIN_CALL,
-    TRAINING_KINDS,
-    ZERO3,
     LoopPlacement,
-    PlacementConfigError,
     check_micro_batches,
-    placement_of,
+    check_trainable,
 )
+from .resolve import ResolvedRun, resolve_run
 from .reward_functions import RewardFunctions
 
 
@@ -104,8 +80,6 @@ class LoopStageError(RLHFFusionError, RuntimeError):
     """A stage of an iteration failed on this rank; the message names the rank and the stage."""
 
 
-# Tests only: called with (stage, rank, iteration) as each stage starts, to inject faults.
-_stage_hook: Callable[[str, int, int], None] | None = None
 
 
 def ppo_config(cfg: RLHFConfig) -> PPOConfig:
@@ -132,15 +106,20 @@ class PPOWorker:
     """One rank's share of an iteration under a placement (see the module docstring): its
     models, generation instance, scorers, training stages or copies, and optimizers.
 
+    ``cfg``: the :class:`~rlhf_fusion.loop.resolve.ResolvedRun` (or a config, resolved here).
     ``placement``: the run's :class:`~rlhf_fusion.loop.placement.LoopPlacement`; by default
-    the config's (``placement_of(cfg)``: every call on every rank unless a preset or a plan
-    says otherwise)."""
+    the resolved run's (every call on every rank unless a preset or a plan says otherwise).
+    The training layouts' kind picks the training engine
+    (:func:`rlhf_fusion.runtime.training_engine.engine_for`); the worker asks the engine."""
 
-    def __init__(self, cfg: RLHFConfig, *, models: Models | None = None,
+    def __init__(self, cfg: RLHFConfig | ResolvedRun, *, models: Models | None = None,
                  device: torch.device | str = "cpu",
                  placement: LoopPlacement | None = None) -> None:
-        cfg.validate()
-        self.cfg = cfg
+        # Resolved once before the processes started (rlhf_fusion.loop.train) and handed over
+        # as it is; a bare config (a caller that owns its processes) is resolved here.
+        run = resolve_run(cfg)
+        cfg = self.cfg = run.config
+        self.hooks = run.hooks
         self.device = torch.device(device)
         self.distributed = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
@@ -148,15 +127,17 @@ class PPOWorker:
         if self.world != cfg.world_size and self.distributed:
             raise LoopConfigError(f"world_size: the config says {cfg.world_size}, the process "
                                   f"group has {self.world} ranks")
-        self.placement = self._placement(placement)
+        self.placement = self._placement(placement if placement is not None else run.placement)
+        # The trained roles, as data: each one a training call of the placement.
+        self.roles: tuple[str, ...] = tuple(ROLES)
         # Every rank creates every group, in the same order (new_group is collective): the
         # calls' rank sets, and the tensor-parallel and data-parallel groups inside sharded
         # training calls.
         every = tuple(range(self.world))
         sets = set(self.placement.groups())
-        for role in ROLES:
-            if self._sharded(role):
-                sets |= set(layout_groups(self._train_layout(role))) - {every}
+        for role in self.roles:
+            lay = self.placement.layout(TRAIN_CALL[role])
+            sets |= set(ENGINES[lay.kind].groups(lay)) - {every}
         self.groups = {ranks: dist.new_group(list(ranks)) for ranks in sorted(sets)}
         self.models = models if models is not None else build_models(cfg.models)
         self.tokenizer = self.models.tokenizer
@@ -164,22 +145,18 @@ class PPOWorker:
         self._scoring_cpu: list[float] = []
         self._train_events: list[tuple[str, float, float]] = []
         self.ppo = ppo_config(cfg)
-        self.fused = None
-        self._shapes = {role: shapes_of(getattr(self.models, role)) for role in ROLES}
-        # Read from the whole models: training cuts them into stages in place.
-        self._tied = {role: tied_aliases(getattr(self.models, role)) for role in ROLES}
+        self.engine = self._engine()
         self._setup_rollout()
         self._setup_offload()
         self._setup_training()
         self.rt_planner = self._rt_planner()
-        self._owners: dict[str, Any] | None = None
         self.iteration_index = 0
-        self.schedule = None
 
     def _placement(self, given: LoopPlacement | None) -> LoopPlacement:
-        if given is not None:
-            check_micro_batches(self.cfg.ppo, self.cfg.generation.prompts_per_iteration, given)
-        lp = given if given is not None else placement_of(self.cfg)
+        lp = given
+        if lp is not None:   # cheap, and a caller may hand the worker any placement
+            check_micro_batches(self.cfg.ppo, self.cfg.generation.prompts_per_iteration, lp)
+            check_trainable(lp)
         if lp is None:
             raise LoopConfigError("placement.search: search the plan before building the "
                                   "workers (rlhf_fusion.loop.train does, once)")
@@ -200,29 +177,11 @@ class PPOWorker:
         """The process group of ``ranks`` (the default group, ``None``, for every rank)."""
         return self.groups.get(ranks)
 
-    def _train_layout(self, role: str) -> TrainLayout:
-        lay = self.placement.layout(TRAIN_CALL[role])
-        return TrainLayout(lay.ranks, lay.dp, lay.tp, lay.zero)
-
-    def _sharded(self, role: str) -> bool:
-        """``role`` trains as DTensor shards (tensor parallel or ZeRO-3)."""
-        return self.placement.layout(TRAIN_CALL[role]).kind in (TENSOR_PARALLEL, ZERO3)
-
-    def _train_groups(self, role: str) -> dict[tuple[int, ...], Any]:
-        """The process groups of ``role``'s training layout (the whole world's included)."""
-        world = dist.group.WORLD
-        return {g: self.groups.get(g, world) for g in layout_groups(self._train_layout(role))}
-
     # -- set-up ----------------------------------------------------------------------------------
     def _setup_rollout(self) -> None:
         """Whole copies for generation and the inference calls this rank holds; training owns
         the originals. A rank keeps only the frozen models it serves."""
         m, pad = self.models, self.tokenizer.pad_token_id
-        if not self.placement.fused_training and self.distributed:
-            from ..runtime.realloc_execute import param_table
-
-            # What the weight sync moves, known on every rank (before unplaced models go).
-            self._tables = {role: param_table(getattr(m, role), role) for role in ROLES}
         generates = self.placement.generates(self.rank)
         self.backend = TimedBackend(self._generation_backend()) if generates else NoGeneration()
         held = {call: self._holds(call) for call in INFERENCE_CALLS}
@@ -264,40 +223,32 @@ class PPOWorker:
         """The scorers of this rank (one per inference call when they are placed apart)."""
         return [self.inference] if self.inference is not None else list(self.scorers.values())
 
+    def _engine(self) -> TrainingEngine:
+        """The training engine of the training layouts' kind (one class per kind)."""
+        lp, f, s = self.placement, self.cfg.fusion, self.cfg.ppo
+        layouts = {role: lp.layout(TRAIN_CALL[role]) for role in self.roles}
+        spec = EngineSpec(
+            layouts=layouts, targets={r: lp.layout(SYNC_TARGET[r]) for r in self.roles},
+            rank=self.rank, world=self.world, ppo=self.ppo, make_optimizers=self._optimizers,
+            groups=self.groups, device=self.device, distributed=self.distributed,
+            replicas=lp.replicas, stage_groups=lp.stage_groups, intra=f.intra,
+            solver=f.solver, solver_time_limit=f.solver_time_limit, timeout_s=f.timeout_s)
+        assert s.micro_batches == self.ppo.micro_batches
+        return engine_for(layouts)(spec)
+
     def _setup_training(self) -> None:
-        lp, m = self.placement, self.models
-        for kind in lp.training_kinds():
-            if kind not in TRAINING_KINDS:
-                raise PlacementConfigError(f"placement {lp.name}: training layout {kind!r}; "
-                                           f"the loop runs {', '.join(TRAINING_KINDS)}")
-        if lp.fused_training:
-            actor, critic = lp.layout("actor_train"), lp.layout("critic_train")
-            problem = fused_problem(stage_groups=lp.stage_groups,
-                                    micro_batches=self.cfg.ppo.micro_batches,
-                                    actor_stages=actor.pp, critic_stages=critic.pp)
-            self.fused = partition_rank(problem, {"actor": m.actor, "critic": m.critic},
-                                        self.rank, loss_fns=default_loss_fns(self.ppo),
-                                        replicas=lp.replicas, device=self.device)
-            params = {role: list(self.fused.stages[role].parameters())
-                      for role in self.fused.stages}
-        else:
-            params = {}
-            for role, call in TRAIN_CALL.items():
-                if not self._holds(call):
-                    setattr(m, role, None)  # trained elsewhere
-                    continue
-                if self._sharded(role):   # (tp checked against the model by validate)
-                    shard_for_training(getattr(m, role), role, self._train_layout(role),
-                                       self.rank, self._train_groups(role), self.device)
-                else:
-                    getattr(m, role).to(self.device)
-                params[role] = list(getattr(m, role).parameters())
-        off = sorted({f"{role} on {q.device}" for role, ps in params.items() for q in ps
+        m = self.models
+        self.engine.setup({role: getattr(m, role) for role in self.roles})
+        for role in self.roles:
+            if role not in self.engine.roles:
+                setattr(m, role, None)  # trained elsewhere
+        self.optimizers = self.engine.optimizers
+        off = sorted({f"{role} on {q.device}" for role, opt in self.optimizers.items()
+                      for g in opt.param_groups for q in g["params"]
                       if q.device.type != self.device.type})
         if off:   # a model left behind trains correctly and silently slowly (found on a GPU)
             raise LoopStageError(f"rank {self.rank}: trained parameters are not on "
                                  f"{self.device}: {', '.join(off)}")
-        self.optimizers = self._optimizers(params)
 
     def _optimizers(self, params: dict[str, list[torch.nn.Parameter]]
                     ) -> dict[str, torch.optim.Optimizer]:
@@ -312,11 +263,14 @@ class PPOWorker:
                          kv_capacity_tokens=g.kv_capacity_tokens,
                          fixed=self.cfg.rt_samples(None), src=gen[0])
 
+    @property
+    def schedule(self) -> Any:
+        """The training pipeline's planned schedule (``None`` unless one was planned)."""
+        return self.engine.schedule
+
     def training_modules(self) -> dict[str, torch.nn.Module]:
         """The modules whose parameters this rank trains (what its checkpoint holds)."""
-        if self.fused is not None:
-            return {role: st.module for role, st in self.fused.stages.items()}
-        return {role: getattr(self.models, role) for role in self.placement.trains(self.rank)}
+        return self.engine.modules()
 
     # -- pieces ----------------------------------------------------------------------------------
     def _generation_backend(self) -> Any:
@@ -350,69 +304,10 @@ class PPOWorker:
     # -- 1. weight sync --------------------------------------------------------------------------
     def sync_weights(self) -> dict[str, float]:
         """Training layout -> generation layout, for the Actor (backend) and the Critic."""
-        if self.fused is not None:
-            return self._sync_from_pipeline()
-        if not self.distributed:   # every copy on this rank
-            for role in ROLES:
-                self._load(role, self._sync_dst(role),
-                           dict(getattr(self.models, role).named_parameters()))
-            return {"realloc/bytes": 0.0, "realloc/min_bytes": 0.0}
-        return self._sync_from_data_parallel()
-
-    def _sync_from_pipeline(self) -> dict[str, float]:
-        """Each stage broadcast from its owner (replica 0, copy 0) to every copy."""
-        assert self.fused is not None
-        stage_params = {r: stage_parameters(s.module, self._tied[r])
-                        for r, s in self.fused.stages.items()}
-        if self._owners is None:
-            canonical = {r: self._canonical(r) for r in stage_params}
-            self._owners = ownership(stage_params, canonical)
-        moved = minimum = 0
-        for role in ROLES:
-            own = self._owners[role]
-            params, got = broadcast_parameters(own, stage_params.get(role, {}),
-                                               self._shapes[role], self.device)
-            moved += got
-            minimum += minimum_bytes(own, self._shapes[role], self.world)
-            if self.placement.receives(role, self.rank):
-                self._load(role, self._sync_dst(role), params)
-        totals = torch.tensor([float(moved)], dtype=torch.float64)
-        dist.all_reduce(totals)
-        return {"realloc/bytes": float(totals[0]), "realloc/min_bytes": float(minimum)}
-
-    def _sync_from_data_parallel(self) -> dict[str, float]:
-        """Whole copies on both sides: every piece comes from the least-loaded holder."""
-        from ..placement import Cluster, Layout, ParallelStrategy, mesh_from_ranks
-        from ..runtime.realloc_execute import execute
-
-        cluster = Cluster.uniform(1, self.world)
-
-        def layout(call: str) -> Layout:
-            lay = self.placement.layout(call)
-            return Layout(mesh_from_ranks(cluster, lay.ranks),
-                          ParallelStrategy(len(lay.ranks), 1, 1))
-
-        moved = minimum = 0
-        for role in ROLES:
-            train, target = TRAIN_CALL[role], SYNC_TARGET[role]
-            local = (self._whole_weights(role) if self._holds(train) else None)
-            # A sharded layout's ranks each hold whole weights once gathered: whole copies.
-            res = execute(self._tables[role], layout(train), layout(target), local, cluster,
-                          device=self.device, timeout=self.cfg.fusion.timeout_s)
-            moved += res.bytes
-            minimum += res.min_bytes
-            if res.shard is not None:
-                self._load(role, self._sync_dst(role), res.shard)
-        return {"realloc/bytes": float(moved), "realloc/min_bytes": float(minimum)}
-
-    def _whole_weights(self, role: str) -> dict[str, Tensor]:
-        """``role``'s trained weights, whole, on a rank that trains it: a sharded layout
-        gathers them (a collective over the call's ranks: every one of them asks, in the
-        same order)."""
-        model = getattr(self.models, role)
-        if self._sharded(role):
-            return full_state_dict(model)
-        return dict(model.named_parameters())
+        params, metrics = self.engine.sync_weights()
+        for role, p in params.items():
+            self._load(role, self._sync_dst(role), p)
+        return metrics
 
     def _sync_dst(self, role: str) -> torch.nn.Module | None:
         """The copy ``role``'s weights go to (a vLLM engine holds its own: ``None``)."""
@@ -466,7 +361,7 @@ class PPOWorker:
         out = {"time/decode": tot[0], "time/decode_cpu": tot[1], "time/scoring": tot[2],
                "time/scoring_cpu": tot[3],
                "time/rollout_idle": max(self.world * rollout_s - tot[0] - tot[2], 0.0)}
-        if self.fused is not None:
+        if self.engine.traced:
             out["time/train_compute"] = tot[4]
             out["time/train_idle"] = max(self.world * train_s - tot[4], 0.0)
         return out
@@ -572,34 +467,14 @@ class PPOWorker:
         return batch, adv.rollout_metrics(rb, kl_coef=p.kl_coef, estimator=p.kl_estimator)
 
     # -- 4. training -----------------------------------------------------------------------------
-    def _plan(self, mbs: list[dict[str, Tensor]]) -> None:
-        assert self.fused is not None
-        f = self.cfg.fusion
-        # The engine traces every instruction (a perf_counter pair each): the iteration's
-        # timeline shows the fused Actor/Critic pipeline and time/train_compute counts it.
-        if f.intra:
-            self.schedule = self.fused.plan(mbs, solver=f.solver, time_limit=f.solver_time_limit,
-                                            timeout=f.timeout_s, device=self.device, trace=True)
-        else:
-            from ..schedule import solve
-
-            # RLHFuse-Base: the Actor's 1F1B step, then the Critic's (a barrier between them).
-            serial = solve(self.fused.problem, "concatenated_1f1b", time_limit=1.0)
-            self.schedule = self.fused.plan(mbs, schedule=serial, timeout=f.timeout_s,
-                                            device=self.device, serial=True, trace=True)
-
     def plan_training(self, prompt_len: float) -> float:
-        """Plan the training pipeline now, before the first iteration: profile the stages and
-        solve the fused schedule (or build the serial order). Collective. Planning is one-time
-        work, so it is charged to no iteration. The profile runs on micro-batches of the
-        loop's rows and ``prompt_len`` plus a quarter of ``max_new_tokens`` tokens: only the
-        ratios of the stage times steer the schedule, and shorter rows profile faster.
-        Returns its seconds."""
-        if self.fused is None or self.fused.engine is not None:
-            return 0.0
-        t = time.perf_counter()
-        self._plan(self._planning_micro_batches(prompt_len))
-        return time.perf_counter() - t
+        """Plan the training now, before the first iteration (the fused pipeline profiles its
+        stages and solves its schedule, or builds the serial order). Collective. Planning is
+        one-time work, so it is charged to no iteration. The profile runs on micro-batches
+        of the loop's rows and ``prompt_len`` plus a quarter of ``max_new_tokens`` tokens:
+        only the ratios of the stage times steer the schedule, and shorter rows profile
+        faster. Returns its seconds."""
+        return self.engine.prepare(self._planning_micro_batches(prompt_len))
 
     def _planning_micro_batches(self, prompt_len: float) -> list[dict[str, Tensor]]:
         g, p = self.cfg.generation, self.cfg.ppo
@@ -627,51 +502,14 @@ class PPOWorker:
         replica = lp.replica(self.rank)
         for mbs in self.mini_batches(batch, iteration, p.micro_batches * lp.replicas):
             mine = mbs[replica * p.micro_batches: (replica + 1) * p.micro_batches]
-            out = (self._pipeline_step(mine) if lp.training_kind == FUSED_PIPELINE
-                   else self._data_parallel_step(mine))
+            out = self.engine.step(mine)
+            self._train_events.extend(self.engine.trace_events())
             steps += 1
             for name, v in out.items():
                 sums[name] = sums.get(name, 0.0) + v
-        if lp.training_kind != FUSED_PIPELINE and self.distributed:
-            # Each training call's first rank reports its model's statistics to everyone.
-            lead = {role: self._holds(TRAIN_CALL[role]) and lp.leads(role, self.rank)
-                    for role in ROLES}
-            report = {k: v for k, v in sums.items() if lead[k.split("/")[0]]}
-            gathered: list[Any] = [None] * self.world
-            dist.all_gather_object(gathered, report)
-            sums = {k: v for rep in gathered for k, v in rep.items()}
+        sums = self.engine.reduce_stats(sums)
         means = {k: v / max(steps, 1) for k, v in sums.items()}
         return trl_training_metrics(means)
-
-    def _pipeline_step(self, mbs: list[dict[str, Tensor]]) -> dict[str, float]:
-        """One fused Actor/Critic pipeline step over this replica's micro-batches."""
-        assert self.fused is not None
-        if self.fused.engine is None:
-            self._plan(mbs)
-        out = pipelined_step(self.fused, mbs, self.optimizers,
-                             max_grad_norm=self.cfg.ppo.max_grad_norm)
-        tr = self.fused.engine.last_trace if self.fused.engine is not None else None
-        if tr is not None:
-            self._train_events.extend(tr.events)
-        return _flat_stats(out)
-
-    def _data_parallel_step(self, mbs: list[dict[str, Tensor]]) -> dict[str, float]:
-        """Each training call this rank holds: its share of the micro-batches, gradients
-        summed over the call's ranks, then one clipped optimizer step (the arithmetic of one
-        device)."""
-        loss_fns = default_loss_fns(self.ppo)
-        out: dict[str, float] = {}
-        for role, call in TRAIN_CALL.items():
-            if self._holds(call):
-                out.update(self._dp_step(role, call, mbs, loss_fns))
-        return out
-
-    def _dp_step(self, role: str, call: str, mbs: Sequence[dict[str, Tensor]],
-                 loss_fns: dict[str, Any]) -> dict[str, float]:
-        mbs = [{k: v.to(self.device) for k, v in mb.items()} for mb in mbs]
-        return data_parallel_step(getattr(self.models, role), role, self._train_layout(role),
-                                  self.rank, mbs, loss_fns, self.optimizers[role],
-                                  self._train_groups(role), self.cfg.ppo.max_grad_norm)
 
     def mini_batches(self, batch: dict[str, Tensor], iteration: int, micro_batches: int
                      ) -> Iterator[list[dict[str, Tensor]]]:
@@ -693,8 +531,9 @@ class PPOWorker:
     @contextlib.contextmanager
     def _stage(self, name: str) -> Iterator[None]:
         note_stage(f"{name} of iteration {self.iteration_index}")
-        if _stage_hook is not None:
-            _stage_hook(name, self.rank, self.iteration_index)
+        hooks = getattr(self, "hooks", None)   # (set in __init__; absent on a bare stand-in)
+        if hooks is not None and hooks.on_stage is not None:
+            hooks.on_stage(name, self.rank, self.iteration_index)
         try:
             yield
         except LoopStageError:
@@ -768,45 +607,18 @@ class PPOWorker:
     # -- state for checkpoints and exactness checks ----------------------------------------------
     def canonical_state(self) -> dict[str, Tensor]:
         """This rank's share of ``{actor.*, critic.*}`` (every entry once over all ranks)."""
-        out: dict[str, Tensor] = {}
-        if self.fused is None:   # whole copies: each training call's first rank saves
-            for role in self.placement.trains(self.rank):
-                whole = self._whole_weights(role)   # every holder: a sharded one gathers
-                if self.placement.leads(role, self.rank):
-                    for k, v in whole.items():
-                        out[f"{role}.{k}"] = v.detach().clone()
-            return out
-        for role, st in self.fused.stages.items():
-            if self._canonical(role):
-                for k, v in stage_parameters(st.module, self._tied[role]).items():
-                    out[f"{role}.{k}"] = v.detach().clone()
-        return out
-
-    def _canonical(self, role: str) -> bool:
-        """Replica 0, copy 0: the rank whose stage of ``role`` is the one saved and sent."""
-        return self.fused is None or self.fused.is_canonical(role)
+        return self.engine.canonical_state()
 
     def set_fusion(self, *, inter: bool, intra: bool) -> None:
-        """Switch the plugins between iterations (the pipeline is re-planned if needed)."""
+        """Switch the plugins between iterations (the training is re-planned if needed)."""
         f = self.cfg.fusion
-        rebuild = self.fused is not None and intra != f.intra
         f.inter, f.intra = inter, intra
-        if rebuild:
-            assert self.fused is not None
-            self.fused.close()
-            if not intra:  # the serial order needs no profiling: build it now, off the clock
-                from ..schedule import solve
-
-                serial = solve(self.fused.problem, "concatenated_1f1b", time_limit=1.0)
-                self.fused.build(serial, timeout=f.timeout_s, device=self.device, serial=True,
-                                 trace=True)
+        self.engine.set_intra(intra)
 
     def close(self) -> None:
-        if self.fused is not None:
-            self.fused.close()
+        self.engine.close()
         if hasattr(self.backend, "close"):  # a vLLM engine's processes end with it
             self.backend.close()
-
 
 
 def trl_training_metrics(means: dict[str, float]) -> dict[str, float]:
@@ -822,16 +634,6 @@ def trl_training_metrics(means: dict[str, float]) -> dict[str, float]:
         "critic/grad_norm": "val/grad_norm",
     }
     return {names.get(k, k): v for k, v in means.items()}
-
-
-def _flat_stats(out: dict[str, Any]) -> dict[str, float]:
-    """A training step's ``{"stats": {role: {name: v}}, "grad_norm": {role: v}}`` as
-    ``{"role/name": v}``."""
-    flat = {f"{role}/{name}": float(v) for role, st in out["stats"].items()
-            for name, v in st.items()}
-    flat.update({f"{role}/grad_norm": float(v)
-                 for role, v in (out.get("grad_norm") or {}).items()})
-    return flat
 
 
 def _is_compute(name: str) -> bool:

@@ -24,7 +24,6 @@ from .reward_functions import is_function_spec, resolve_reward_spec
 
 if TYPE_CHECKING:
     from .config import ModelsConfig, ModelSource, RLHFConfig
-    from .placement import LoopPlacement
 
 MODEL_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 
@@ -270,11 +269,20 @@ def _hub_unreachable() -> str | None:
     return None
 
 
-def check_sources(cfg: RLHFConfig, placement: LoopPlacement | None = None) -> None:
-    """Every model source of ``cfg`` (an ``RLHFConfig``) read and built on the meta device,
-    before any process starts: unknown keys, missing folders, unknown reward rules, a
-    decoder the pipeline cannot split, and no more pipeline stages than decoder layers
-    (``placement``: the resolved ``LoopPlacement``, whose plan sets the stages)."""
+@dataclass(frozen=True)
+class ModelShapes:
+    """What the run's model sources are, read before any process starts: each built
+    source's transformers config and decoder layer count, by field (``models.actor``, ...)."""
+
+    configs: Mapping[str, Any]
+    layers: Mapping[str, int]
+
+
+def check_sources(cfg: RLHFConfig) -> ModelShapes:
+    """Every model source of ``cfg`` read and built on the meta device, before any process
+    starts: unknown keys, missing folders, unknown reward rules, a decoder the pipeline
+    cannot split. Returns their configs and layer counts (the placement's checks against
+    them: :func:`rlhf_fusion.loop.resolve.resolve_run`)."""
     from transformers import AutoModelForCausalLM
 
     from ..runtime.partition import num_layers
@@ -319,56 +327,7 @@ def check_sources(cfg: RLHFConfig, placement: LoopPlacement | None = None) -> No
             layers[name] = num_layers(model, "actor")
         except ValueError as exc:
             raise LoopConfigError(f"{name}: {exc}") from None
-    _check_stages(cfg, placement, layers["models.actor"],
-                  layers.get("models.critic", layers["models.actor"]))
-    if placement is not None:
-        _check_tensor_parallel(placement, configs["models.actor"],
-                               configs.get("models.critic", configs["models.actor"]))
-
-
-def _check_tensor_parallel(placement: LoopPlacement, actor: Any, critic: Any) -> None:
-    """A tensor-parallel training call's tp divides its model's heads, key/value heads and
-    MLP width (named, with the fix)."""
-    from ..runtime.tensor_parallel import TensorParallelError, check_tensor_parallel
-
-    for role, config in (("actor", actor), ("critic", critic)):
-        tp = placement.calls[f"{role}_train"].tp
-        try:
-            check_tensor_parallel(config, tp, f"models.{role} (placement {placement.name}, "
-                                  f"{role}_train tp={tp})")
-        except TensorParallelError as exc:
-            raise LoopConfigError(str(exc)) from None
-
-
-def _check_stages(cfg: RLHFConfig, placement: LoopPlacement | None, actor_layers: int,
-                  critic_layers: int) -> None:
-    """No pipeline stage without a decoder layer: the stage count of the Actor and of the
-    Critic at most their layer counts, named by the field that sets it."""
-    if placement is not None:
-        wants = {"actor": (placement.calls["actor_train"].pp, actor_layers),
-                 "critic": (placement.calls["critic_train"].pp, critic_layers)}
-        for role, (pp, have) in wants.items():
-            if pp > have:
-                raise LoopConfigError(
-                    f"placement: the plan's {role} pipeline has {pp} stages but models.{role} "
-                    f"has {have} decoder layers; plan with pp <= {have}")
-        return
-    if cfg.world_size < 2:
-        return
-    n, f = cfg.stages(), cfg.fusion
-    field = "fusion.pipeline_stages" if f.pipeline_stages is not None else "world_size"
-    if n > actor_layers:
-        raise LoopConfigError(
-            f"{field}: {n} pipeline stages (one per rank unless fusion.pipeline_stages says "
-            f"otherwise) but models.actor has {actor_layers} decoder layers; use "
-            f"{field} <= {actor_layers}, or a deeper model")
-    cs = f.critic_stages or n
-    if cs > critic_layers:
-        field = "fusion.critic_stages" if f.critic_stages is not None else field
-        raise LoopConfigError(
-            f"{field}: the Critic's pipeline has {cs} stages but models.critic has "
-            f"{critic_layers} decoder layers; set fusion.critic_stages <= {critic_layers} "
-            f"(a divisor of {n}), or use a deeper critic")
+    return ModelShapes(configs, layers)
 
 
 def causal_lm(src: ModelSource, vocab_size: int, seed: int = 0) -> nn.Module:

@@ -53,31 +53,30 @@ import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..errors import RLHFFusionError
 from ..placement.graph import CALL_KIND, CALLS, MODELS, TRAIN_CALL, calls_of
+from ..placement.layout import (  # noqa: F401  (the kinds, named here for the loop's readers)
+    DATA_PARALLEL,
+    FUSED_PIPELINE,
+    KINDS,
+    TENSOR_PARALLEL,
+    ZERO3,
+    Layout,
+)
+from .config import FROZEN_MODELS, PPOLoopConfig, RLHFConfig, offload_names  # noqa: F401
 from .errors import LoopConfigError
-
-if TYPE_CHECKING:
-    from .config import PPOLoopConfig, RLHFConfig
 
 INFERENCE_CALLS = tuple(c for c in CALLS if CALL_KIND[c] == "inference")
 
-# How a call's model is laid out on its ranks. A new way to run a model (tensor parallel,
-# ZeRO-3) is a new value here and its branch in the worker, not a new worker.
-DATA_PARALLEL = "data_parallel"     # whole copies; training all-reduces their gradients
-FUSED_PIPELINE = "fused_pipeline"   # the fused Actor/Critic pipeline (training calls only)
-# Training calls only, torch's own engines (rlhf_fusion.runtime.sharded_train):
-TENSOR_PARALLEL = "tensor_parallel"   # dp groups of tp ranks, DTensor Megatron plans
-ZERO3 = "zero3"                       # FSDP2 fully_shard over the call's ranks
-TRAINING_KINDS = (DATA_PARALLEL, FUSED_PIPELINE, TENSOR_PARALLEL, ZERO3)
+# How a call's model is laid out on its ranks: the planning layer's Layout and its kinds
+# (a new kind is one training engine, rlhf_fusion.runtime.training_engine.ENGINES).
+TRAINING_KINDS = KINDS
 
 # Where each trained model's weights go after a round (the Critic-inference copy is the model
 # ``critic_inf`` scores with; the Actor's generation copy lives in the backend).
 SYNC_TARGET = {"actor": "actor_gen", "critic": "critic_inf"}
-
-FROZEN_MODELS = ("ref", "reward")
 
 
 class PlacementConfigError(RLHFFusionError, ValueError):
@@ -85,29 +84,12 @@ class PlacementConfigError(RLHFFusionError, ValueError):
 
 
 @dataclass(frozen=True)
-class CallLayout:
-    """One call on its ranks: ``dp * tp * pp`` of them, laid out as ``kind`` (``zero``: 3
-    for ZeRO-3)."""
-
-    ranks: tuple[int, ...]
-    dp: int
-    pp: int = 1
-    kind: str = DATA_PARALLEL
-    tp: int = 1
-    zero: int = 0
-
-    def index(self, rank: int) -> int:
-        """This rank's data-parallel index in the call (ranks in order)."""
-        return self.ranks.index(rank)
-
-
-@dataclass(frozen=True)
 class LoopPlacement:
-    """Which ranks hold each of the six calls and how (:class:`CallLayout`), how many
+    """Which ranks hold each of the six calls and how (:class:`~rlhf_fusion.placement.layout.Layout`), how many
     training replicas split a mini-batch, and the frozen models offloaded between calls."""
 
     name: str
-    calls: Mapping[str, CallLayout]
+    calls: Mapping[str, Layout]
     world_size: int
     offload: tuple[str, ...] = ()   # frozen models in host memory between calls
     replicas: int = 1               # independent slices of a mini-batch (ppo.micro_batches each)
@@ -119,18 +101,19 @@ class LoopPlacement:
         of ``stages`` stages (the Critic's of ``critic_stages``), ``world_size / stages``
         replicas of it; with one rank, training on it alone."""
         every = tuple(range(world_size))
-        calls = {c: CallLayout(every, world_size) for c in CALLS}
+        calls = {c: Layout(world_size, ranks=every) for c in CALLS}
         replicas = 1
         if world_size > 1:
             cs = critic_stages or stages
             replicas = world_size // stages
-            calls["actor_train"] = CallLayout(every, world_size // stages, stages,
-                                              FUSED_PIPELINE)
-            calls["critic_train"] = CallLayout(every, world_size // cs, cs, FUSED_PIPELINE)
+            calls["actor_train"] = Layout(world_size // stages, pp=stages, ranks=every,
+                                          kind=FUSED_PIPELINE)
+            calls["critic_train"] = Layout(world_size // cs, pp=cs, ranks=every,
+                                           kind=FUSED_PIPELINE)
         return cls("default", calls, world_size, offload, replicas)
 
     # -- queries the worker asks -----------------------------------------------------------------
-    def layout(self, call: str) -> CallLayout:
+    def layout(self, call: str) -> Layout:
         return self.calls[call]
 
     def holds(self, call: str, rank: int) -> bool:
@@ -259,6 +242,17 @@ def placement_of(cfg: RLHFConfig) -> LoopPlacement | None:
     return lp
 
 
+def check_trainable(placement: LoopPlacement) -> None:
+    """Every training call's layout kind has a training engine
+    (:data:`rlhf_fusion.runtime.training_engine.ENGINES`), else the reason, by name."""
+    from ..runtime.training_engine import ENGINES
+
+    for kind in placement.training_kinds():
+        if kind not in ENGINES:
+            raise PlacementConfigError(f"placement {placement.name}: training layout {kind!r}; "
+                                       f"the loop runs {', '.join(ENGINES)}")
+
+
 def check_micro_batches(ppo: PPOLoopConfig, batch: int, placement: LoopPlacement | None
                         ) -> None:
     """``ppo.micro_batches`` (per replica, per mini-batch) against the placement: the
@@ -286,27 +280,6 @@ def check_micro_batches(ppo: PPOLoopConfig, batch: int, placement: LoopPlacement
                 f"ppo.micro_batches: {m} micro-batches per mini-batch and replica cannot be "
                 f"shared by the {k} data-parallel ranks of {call} in {where}; use a "
                 f"multiple of {k}")
-
-
-def offload_names(value: Any) -> tuple[str, ...] | None:
-    """``placement.offload`` as a tuple of frozen model names (``None``: not set)."""
-    if value is None:
-        return None
-    if isinstance(value, bool):
-        return FROZEN_MODELS if value else ()
-    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
-        raise LoopConfigError(f"placement.offload: {value!r}; give true (Ref and Reward), "
-                              "false, or a list of model names such as [ref, reward]")
-    for v in value:
-        if v in ("actor", "critic"):
-            raise LoopConfigError(
-                f"placement.offload: {v} is trained every iteration and cannot live in host "
-                "memory between calls; only the frozen ref and reward can: use [ref], "
-                "[reward], [ref, reward] or true")
-        if v not in FROZEN_MODELS:
-            raise LoopConfigError(f"placement.offload: unknown model {v!r}; use [ref], "
-                                  "[reward], [ref, reward] or true")
-    return tuple(m for m in FROZEN_MODELS if m in value)
 
 
 def resolve(preset: str | None, plan: str | Path | None, world_size: int,
@@ -381,7 +354,7 @@ def resolve(preset: str | None, plan: str | Path | None, world_size: int,
 
 
 def _call_layout(c: str, ranks: tuple[int, ...], dp: int, tp: int, pp: int, zero: int
-                 ) -> CallLayout:
+                 ) -> Layout:
     """What runs call ``c`` with strategy ``(dp, tp, pp, zero)`` on ``ranks``, or the reason
     the loop does not run it."""
     if dp * tp * pp != len(ranks):
@@ -407,9 +380,7 @@ def _call_layout(c: str, ranks: tuple[int, ...], dp: int, tp: int, pp: int, zero
     if zero not in (0, 3) and zero:
         raise PlacementConfigError(f"placement: {c} has zero={zero}; the loop runs zero=0 "
                                    "or zero=3")
-    kind = (FUSED_PIPELINE if pp > 1 else TENSOR_PARALLEL if tp > 1
-            else ZERO3 if zero == 3 else DATA_PARALLEL)
-    return CallLayout(ranks, dp, pp, kind, tp, zero)
+    return Layout(dp, tp, pp, zero, ranks)
 
 
 

@@ -17,6 +17,7 @@ iteration boundary with that iteration's checkpoint. An output folder that is no
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import shutil
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from .config import LoopConfigError, RLHFConfig
+from .resolve import ResolvedRun, resolve_run
 
 ROW_KEYS = (("objective/scores", "reward", "{:.3f}"), ("objective/kl", "kl", "{:.3f}"),
             ("loss/policy_avg", "pg", "{:+.3f}"), ("loss/value_avg", "vf", "{:.3f}"),
@@ -75,7 +77,7 @@ def summary_row(it: int, m: dict[str, float]) -> str:
                                     if k in m)
 
 
-def train(cfg: RLHFConfig, prompts: Sequence[str], *, out_dir: str | Path | None = None,
+def train(cfg: RLHFConfig | ResolvedRun, prompts: Sequence[str], *, out_dir: str | Path | None = None,
           checkpoint_every: int = 0, resume: bool = False, progress: bool = True,
           stop_after: int | None = None, timeline_serial: bool = False,
           keep_experiences: bool = False, threads: int = 1, overwrite: bool = False,
@@ -84,8 +86,11 @@ def train(cfg: RLHFConfig, prompts: Sequence[str], *, out_dir: str | Path | None
     iterations would). Returns rank 0's ``history`` (metrics per iteration), ``timelines``,
     ``seconds``, ``states`` (every rank's canonical parameters) and, with
     ``keep_experiences``, every iteration's experience batch. ``keep_checkpoints``: the
-    newest K checkpoints stay, older ones are deleted (0 keeps all)."""
-    cfg.validate()
+    newest K checkpoints stay, older ones are deleted (0 keeps all). ``cfg``: a config, or
+    the run :func:`~rlhf_fusion.loop.resolve.resolve_run` resolved (checked once, here or
+    by the caller, and handed to every rank)."""
+    run = resolve_run(cfg)
+    cfg = run.config
     from .algorithm_config import check_runnable
 
     check_runnable(cfg)
@@ -102,9 +107,10 @@ def train(cfg: RLHFConfig, prompts: Sequence[str], *, out_dir: str | Path | None
     rest = (checkpoint_every, progress, stop_after, timeline_serial, keep_experiences,
             keep_checkpoints)
     if group is not None:
-        return _train_joined(group, cfg, prompts, out_dir, resume, overwrite, rest)
-    cfg, prompt_ids, start, _ = _prepare(cfg, prompts, out_dir, resume, overwrite)
-    args = (cfg, prompt_ids, str(out_dir) if out_dir else None, checkpoint_every, start,
+        return _train_joined(group, run, prompts, out_dir, resume, overwrite, rest)
+    run, prompt_ids, start, _ = _prepare(run, prompts, out_dir, resume, overwrite)
+    cfg = run.config
+    args = (run, prompt_ids, str(out_dir) if out_dir else None, checkpoint_every, start,
             progress, stop_after, timeline_serial, keep_experiences, keep_checkpoints)
     if cfg.world_size == 1:
         # One process (also torchrun --nproc-per-node 1, which joins no group): the GPU when
@@ -127,11 +133,12 @@ def train(cfg: RLHFConfig, prompts: Sequence[str], *, out_dir: str | Path | None
     return out
 
 
-def _prepare(cfg: RLHFConfig, prompts: Sequence[str], out_dir: str | Path | None, resume: bool,
-             overwrite: bool) -> tuple[RLHFConfig, list[list[int]], int | None, str | None]:
+def _prepare(run: ResolvedRun, prompts: Sequence[str], out_dir: str | Path | None, resume: bool,
+             overwrite: bool) -> tuple[ResolvedRun, list[list[int]], int | None, str | None]:
     """Everything checked once, before any rank trains: the output folder (and the checkpoint
     to resume from), the prompts' token ids, the searched plan. Returns the config to run,
     the token ids, the iteration to resume from and the searched plan's JSON (None: none)."""
+    cfg = run.config
     start = prepare_out_dir(out_dir, cfg.world_size, resume=resume, overwrite=overwrite)
     if not prompts:
         raise LoopConfigError("prompts: the prompt set is empty")
@@ -145,12 +152,12 @@ def _prepare(cfg: RLHFConfig, prompts: Sequence[str], out_dir: str | Path | None
                               f"{empty[0] + 1}); remove them")
     plan = None
     if cfg.placement.search is not None:
-        cfg = _with_searched_plan(cfg, prompt_ids, out_dir)
-        plan = Path(cfg.placement.plan).read_text()
-    return cfg, prompt_ids, start, plan
+        run = _with_searched_plan(cfg, prompt_ids, out_dir)
+        plan = Path(run.config.placement.plan).read_text()
+    return run, prompt_ids, start, plan
 
 
-def _train_joined(group: Any, cfg: RLHFConfig, prompts: Sequence[str],
+def _train_joined(group: Any, run: ResolvedRun, prompts: Sequence[str],
                   out_dir: str | Path | None, resume: bool, overwrite: bool,
                   rest: tuple) -> dict[str, Any]:
     """This process's rank of a run whose processes torchrun or srun started: join their
@@ -162,6 +169,7 @@ def _train_joined(group: Any, cfg: RLHFConfig, prompts: Sequence[str],
 
     from ..launch import join_group
 
+    cfg = run.config
     _check_restartable(group)
     if group.world_size != cfg.world_size:
         var = "WORLD_SIZE" if group.source == "torchrun" else "SLURM_NTASKS"
@@ -178,7 +186,7 @@ def _train_joined(group: Any, cfg: RLHFConfig, prompts: Sequence[str],
         setup: list[Any] = [None]
         if group.lead:
             try:
-                setup[0] = _prepare(cfg, prompts, out_dir, resume, overwrite)
+                setup[0] = _prepare(run, prompts, out_dir, resume, overwrite)
             except Exception as exc:  # noqa: BLE001 - every rank stops with it
                 setup[0] = exc
         dist.broadcast_object_list(setup, src=0)
@@ -189,7 +197,7 @@ def _train_joined(group: Any, cfg: RLHFConfig, prompts: Sequence[str],
             if isinstance(got, LoopConfigError):
                 raise LoopConfigError(str(got))
             raise RuntimeError(f"rank 0 failed preparing the run: {type(got).__name__}: {got}")
-        cfg, prompt_ids, start, plan = got
+        run, prompt_ids, start, plan = got
         if resume and out_dir is not None:
             _check_resume_agrees(out_dir)
         if plan is not None and not group.lead:
@@ -197,10 +205,11 @@ def _train_joined(group: Any, cfg: RLHFConfig, prompts: Sequence[str],
             plan_copy = Path(tempfile.mkdtemp(prefix="rlhf-fusion-plan-"))
             where = plan_copy / "plan.json"
             where.write_text(plan)
-            cfg = copy.deepcopy(cfg)
+            cfg = copy.deepcopy(run.config)
             cfg.placement.plan = str(where)
+            run = dataclasses.replace(run, config=cfg)
         checkpoint_every, progress, stop_after, timeline_serial, keep_experiences, keep = rest
-        out = rank_main(group.rank, group.world_size, cfg, prompt_ids,
+        out = rank_main(group.rank, group.world_size, run, prompt_ids,
                         str(out_dir) if out_dir else None, checkpoint_every, start,
                         progress, stop_after, timeline_serial, keep_experiences, keep,
                         device=str(device))
@@ -292,11 +301,11 @@ def _merge_train_events(out: dict[str, Any], per_rank: Sequence[dict[str, Any]])
 
 
 def _with_searched_plan(cfg: RLHFConfig, prompt_ids: Sequence[Sequence[int]],
-                        out_dir: str | Path | None) -> RLHFConfig:
+                        out_dir: str | Path | None) -> ResolvedRun:
     """Search the plan once, here, and hand every rank the same file."""
     import tempfile
 
-    from .placement import PlacementConfigError, placement_of, search_plan
+    from .placement import PlacementConfigError, search_plan
 
     where = (Path(out_dir) if out_dir else Path(tempfile.mkdtemp(prefix="rlhf-fusion-"))) \
         / "plan.json"
@@ -307,10 +316,11 @@ def _with_searched_plan(cfg: RLHFConfig, prompt_ids: Sequence[Sequence[int]],
     cfg = copy.deepcopy(cfg)
     cfg.placement.search = None
     cfg.placement.plan = path
-    cfg.validate()
-    print(f"placement: searched plan written to {path}\n{placement_of(cfg).describe()}",
+    run = resolve_run(cfg)
+    assert run.placement is not None
+    print(f"placement: searched plan written to {path}\n{run.placement.describe()}",
           file=sys.stderr)
-    return cfg
+    return run
 
 
 RUN_OUTPUTS = ("metrics.jsonl", "checkpoints", "plan.json", "profiles", "error.log")
@@ -365,7 +375,7 @@ def _keep_metrics_before(path: Path, start: int) -> None:
     os.replace(tmp, path)
 
 
-def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]],
+def rank_main(rank: int, world: int, cfg: RLHFConfig | ResolvedRun, prompt_ids: list[list[int]],
               out_dir: str | None, checkpoint_every: int, resume_from: int | None,
               progress: bool, stop_after: int | None, timeline_serial: bool,
               keep_experiences: bool = False, keep_checkpoints: int = 2, *,
@@ -377,7 +387,7 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
     run at the next iteration boundary, every rank at the same one, after writing that
     iteration's checkpoint; ``stopped`` in the result is that iteration (None: the run
     ended)."""
-    from ..launch import agree_to_stop, note_stage, stop_requested
+    from ..launch import agree_to_stop, listen_to_stages, note_stage, stop_requested
     from .checkpoint import (
         load_checkpoint,
         load_worker_state,
@@ -386,9 +396,13 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig, prompt_ids: list[list[int]
     )
     from .iteration import PPOWorker
 
+    run = resolve_run(cfg, sources=False)   # resolved by train: handed over as it is
+    cfg = run.config
+    if run.hooks.on_note is not None:
+        listen_to_stages(run.hooks.on_note)
     note_stage("building the models")
     torch.manual_seed(cfg.models.seed)
-    worker = PPOWorker(cfg) if device == "cpu" else PPOWorker(cfg, device=device)
+    worker = PPOWorker(run) if device == "cpu" else PPOWorker(run, device=device)
     start = 0
     history: list[dict[str, float]] = []
     if resume_from is not None and out_dir is not None:

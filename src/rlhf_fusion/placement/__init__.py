@@ -20,6 +20,7 @@ from .hardware import (
     Hardware,
     hardware,
 )
+from .layout import KINDS, Layout
 from .mesh import DeviceMesh, enumerate_meshes, make_mesh, mesh_from_ranks
 from .models import MODEL_PRESETS, ModelShape, resolve_model
 from .plan import CallPlacement, ExecutionPlan
@@ -34,9 +35,9 @@ from .presets import (
 )
 from .problem import Fusion, PlacementProblem, load_config
 from .profile import Profile, load_profile
-from .realloc_plan import Layout, ReallocPlan, Transfer, plan_realloc
+from .realloc_plan import MeshLayout, ReallocPlan, Transfer, plan_realloc
 from .search import SearchResult, candidates, count_plans, enumerate_best, search
-from .strategy import ParallelStrategy, check_strategy, strategies_for
+from .strategy import check_strategy, strategies_for
 from .timeline import Timeline, TNode, simulate
 
 __all__ = [
@@ -45,7 +46,7 @@ __all__ = [
     "V100_32G",
     "A100_80G", "CALLS", "H100_80G", "HARDWARE", "MODELS", "MODEL_PRESETS", "PRESET_NAMES",
     "CallPlacement", "Cluster", "DeviceGroup", "DeviceMesh", "Estimate", "Estimator",
-    "ExecutionPlan", "Fusion", "Hardware", "Layout", "ModelShape", "ParallelStrategy",
+    "ExecutionPlan", "Fusion", "Hardware", "KINDS", "Layout", "MeshLayout", "ModelShape",
     "Placement", "PlacementError", "PlacementProblem", "ReallocPlan", "SearchResult", "TNode",
     "Timeline", "Transfer", "build_graph", "candidates", "check_strategy",
     "colocated_heuristic", "count_plans", "enumerate_best", "enumerate_meshes", "hardware",

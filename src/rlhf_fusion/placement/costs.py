@@ -40,11 +40,11 @@ import math
 
 from .graph import CALL_KIND, CALL_MODEL
 from .hardware import Cluster, Hardware
+from .layout import Layout
 from .mesh import DeviceMesh
 from .models import ModelShape
 from .problem import PlacementProblem
 from .profile import Profile
-from .strategy import ParallelStrategy
 
 DECODE_LAYER_OVERHEAD_S = 1e-5   # kernel launches per layer and decode step (CUDA graphs)
 GEN_OUT_BYTES_PER_TOKEN = 8      # token id (int32) + its logprob (fp32)
@@ -76,17 +76,17 @@ class CostModel:
     def model(self, call: str) -> ModelShape:
         return self.p.models[CALL_MODEL[call]]
 
-    def _dp_bw(self, mesh: DeviceMesh, s: ParallelStrategy, hw: Hardware) -> float:
+    def _dp_bw(self, mesh: DeviceMesh, s: Layout, hw: Hardware) -> float:
         inside = s.tp * s.dp <= mesh.n_gpus
         return (hw.nvlink_bw if inside else hw.ib_bw) * hw.comm_efficiency
 
     def _pp_bw(self, mesh: DeviceMesh, hw: Hardware) -> float:
         return (hw.nvlink_bw if mesh.n_nodes == 1 else hw.ib_bw) * hw.comm_efficiency
 
-    def zero_gather(self, call: str, mesh: DeviceMesh, s: ParallelStrategy) -> float:
+    def zero_gather(self, call: str, mesh: DeviceMesh, s: Layout) -> float:
         """Seconds of one ZeRO-3 all-gather (or gradient reduce-scatter) of a rank's (tp, pp)
         shard over the data-parallel ranks, layer by layer (0 without ZeRO-3)."""
-        if not s.sharded:
+        if not s.zero3:
             return 0.0
         m, hw = self.model(call), self.hw(mesh)
         shard = m.param_bytes / (s.tp * s.pp)
@@ -121,7 +121,7 @@ class CostModel:
         (``_zero3_forward`` gathers a layer synchronously before running it)."""
         return self.p.parallelism == "deepspeed-chat"
 
-    def gen_rounds(self, mesh: DeviceMesh, s: ParallelStrategy,
+    def gen_rounds(self, mesh: DeviceMesh, s: Layout,
                    resident: float | None = None) -> int:
         """Generation splits a replica's batch into rounds when its KV cache would not fit in
         half of the memory left free by what is resident on the GPU: ``resident`` bytes (the
@@ -135,14 +135,14 @@ class CostModel:
         b = math.ceil(self.p.batch / s.dp)
         kv = b * self.p.seq_len * m.kv_bytes_per_token / (s.tp * s.pp)
         if resident is None:
-            resident = m.param_bytes / (s.tp * s.pp) / (s.dp if s.sharded else 1)
+            resident = m.param_bytes / (s.tp * s.pp) / (s.dp if s.zero3 else 1)
         free = 0.5 * (hw.hbm_bytes * (1 - hw.memory_reserve) - resident)
         if free <= 0:
             return b
         return max(1, min(b, math.ceil(kv / free)))
 
     # -- time ------------------------------------------------------------------------------
-    def feasible(self, call: str, mesh: DeviceMesh, s: ParallelStrategy) -> bool:
+    def feasible(self, call: str, mesh: DeviceMesh, s: Layout) -> bool:
         """Batch shape rules (as ReaLHF's candidate filter): every data-parallel replica of a
         training call gets samples in every mini-batch; inference calls need a sample per
         replica; training never runs on an inference-only group."""
@@ -152,7 +152,7 @@ class CostModel:
             return self.p.batch >= self.p.ppo_minibatches * s.dp
         return self.p.batch >= s.dp
 
-    def time(self, call: str, mesh: DeviceMesh, s: ParallelStrategy,
+    def time(self, call: str, mesh: DeviceMesh, s: Layout,
              resident: float | None = None) -> float:
         """``resident``: static bytes on the generation GPUs (see ``gen_rounds``)."""
         # generation depends on what is resident only through its number of rounds
@@ -170,7 +170,7 @@ class CostModel:
             self._time[key] = t
         return t
 
-    def _layer_compute(self, call: str, tokens_per_gpu_replica: float, s: ParallelStrategy,
+    def _layer_compute(self, call: str, tokens_per_gpu_replica: float, s: Layout,
                        hw: Hardware, backward: bool) -> float:
         """Seconds for one replica's stage to run ``tokens`` through its layers once (with a
         profile: plus what lies outside the layers, on the stage that holds it)."""
@@ -194,14 +194,14 @@ class CostModel:
         mfu = hw.train_mfu if backward else hw.infer_mfu
         return flops * m.params / s.pp * tokens_per_gpu_replica / (s.tp * hw.flops * mfu)
 
-    def measured_layout(self, call: str, s: ParallelStrategy) -> Profile | None:
+    def measured_layout(self, call: str, s: Layout) -> Profile | None:
         """The profile of ``call``'s model measured in layout ``s`` on its ranks, if any."""
         prof = self.profiles.get(CALL_MODEL[call])
         if prof is None or s.pp > 1:
             return None
         return prof.layout(s.dp, s.tp, s.zero)
 
-    def train_time(self, call: str, mesh: DeviceMesh, s: ParallelStrategy) -> float:
+    def train_time(self, call: str, mesh: DeviceMesh, s: Layout) -> float:
         m, hw, p = self.model(call), self.hw(mesh), self.p
         steps = p.ppo_minibatches * p.ppo_epochs
         per_step = p.batch / p.ppo_minibatches / s.dp            # samples per replica
@@ -235,7 +235,7 @@ class CostModel:
             stage = (compute + tp_comm + pp_comm + zero) * (1 + (s.pp - 1) / mb)
         bw = self._dp_bw(mesh, s, hw)
         grad_bytes = 2 * trainable / (s.tp * s.pp)
-        if s.sharded:
+        if s.zero3:
             grad = 0.0
         elif s.zero == 2:   # reduce-scatter: half an all-reduce's traffic
             grad = (s.dp - 1) / s.dp * grad_bytes / bw + hw.link_latency_s if s.dp > 1 else 0.0
@@ -245,7 +245,7 @@ class CostModel:
         optim = 32 * trainable / (s.tp * s.pp * s.dp) / (hw.hbm_bw * hw.hbm_efficiency)
         return steps * (stage + grad + optim)
 
-    def inference_time(self, call: str, mesh: DeviceMesh, s: ParallelStrategy) -> float:
+    def inference_time(self, call: str, mesh: DeviceMesh, s: Layout) -> float:
         m, hw, p = self.model(call), self.hw(mesh), self.p
         per_rep = p.batch / s.dp
         mbs = min(self.micro_batch(2), max(1, int(per_rep)))
@@ -266,7 +266,7 @@ class CostModel:
             return (max(compute, zero) + tp_comm + pp_comm) * (1 + (s.pp - 1) / mb)
         return (compute + tp_comm + pp_comm + zero) * (1 + (s.pp - 1) / mb)
 
-    def decode_step(self, mesh: DeviceMesh, s: ParallelStrategy) -> tuple[float, float, float]:
+    def decode_step(self, mesh: DeviceMesh, s: Layout) -> tuple[float, float, float]:
         """(fixed seconds, seconds per running sample, seconds per KV token) of one decode step
         of one replica: the linear form the rollout simulator's ClusterModel takes."""
         m, hw = self.model("actor_gen"), self.hw(mesh)
@@ -284,11 +284,11 @@ class CostModel:
         per_kv = m.kv_bytes_per_token / (s.tp * s.pp) / bw
         return weights + overhead, per_sample, per_kv
 
-    def prefill_per_token(self, mesh: DeviceMesh, s: ParallelStrategy) -> float:
+    def prefill_per_token(self, mesh: DeviceMesh, s: Layout) -> float:
         m, hw = self.model("actor_gen"), self.hw(mesh)
         return 2 * m.params / (s.tp * s.pp * hw.flops * hw.infer_mfu)
 
-    def generate_time(self, mesh: DeviceMesh, s: ParallelStrategy,
+    def generate_time(self, mesh: DeviceMesh, s: Layout,
                       resident: float | None = None) -> float:
         p = self.p
         b = math.ceil(p.batch / s.dp)
@@ -302,7 +302,7 @@ class CostModel:
         decode = g * (base + per_sample * per_round) + per_kv * kv_tokens
         return prefill + rounds * decode + self.lora_fuse_time(mesh, s)
 
-    def lora_fuse_time(self, mesh: DeviceMesh, s: ParallelStrategy) -> float:
+    def lora_fuse_time(self, mesh: DeviceMesh, s: Layout) -> float:
         """The hybrid engine fuses the LoRA adapters into the weights before generating and
         unfuses them after (DeepSpeed ``hybrid_engine.py`` fuse_lora_weight/unfuse_lora_weight:
         W += scaling·A·B per linear, 2·r·in·out FLOPs each way, a read and a write of W, on
@@ -318,7 +318,7 @@ class CostModel:
         return 2 * one_way + self.zero_gather("actor_gen", mesh, s)
 
     # -- memory ----------------------------------------------------------------------------
-    def static_bytes(self, model: str, s: ParallelStrategy, trainable: bool) -> float:
+    def static_bytes(self, model: str, s: Layout, trainable: bool) -> float:
         """bf16 weights; for the trainable parameters (all, or the LoRA adapters beside frozen
         bf16 weights) also bf16 gradients and fp32 Adam state (master, m, v: 12 B). ZeRO-3
         shards all of it over dp, ZeRO-2 the gradients and Adam state, Megatron's distributed
@@ -326,21 +326,21 @@ class CostModel:
         m = self.p.models[model]
         tp_pp = s.tp * s.pp
         if not trainable:
-            return 2 * m.params / tp_pp / (s.dp if s.sharded else 1)
+            return 2 * m.params / tp_pp / (s.dp if s.zero3 else 1)
         t = self.trainable_params(model) / tp_pp
         frozen = (m.params / tp_pp if self.p.lora_dim else 0.0)
-        if s.sharded:
+        if s.zero3:
             return (2 * frozen + 16 * t) / s.dp
         if s.zero == 2:
             return 2 * frozen + t * (2 + 14 / s.dp)
         return 2 * frozen + t * (2 + 2 + 12 / s.dp)
 
-    def dynamic_bytes(self, call: str, mesh: DeviceMesh, s: ParallelStrategy,
+    def dynamic_bytes(self, call: str, mesh: DeviceMesh, s: Layout,
                       holds_copy: bool, resident: float | None = None) -> float:
         m, p = self.model(call), self.p
         kind = CALL_KIND[call]
         copy = m.param_bytes / (s.tp * s.pp) if holds_copy else 0.0
-        if s.sharded:   # the copy is sharded too; two layers live gathered
+        if s.zero3:   # the copy is sharded too; two layers live gathered
             copy = copy / s.dp + 2 * m.param_bytes / m.layers / s.tp
         if kind == "generate":
             b = math.ceil(p.batch / s.dp)

@@ -19,10 +19,10 @@ from .costs import CostModel
 from .errors import PlacementError
 from .graph import CALL_KIND, CALL_MODEL, TRAIN_CALL, data_edges, param_edges, train_calls
 from .hooks import fused_train_ratio, rollout_time
+from .layout import Layout
 from .plan import CallPlacement, ExecutionPlan
 from .problem import PlacementProblem
-from .realloc_plan import Layout, plan_realloc
-from .strategy import ParallelStrategy
+from .realloc_plan import MeshLayout, plan_realloc
 from .timeline import Timeline, TNode, simulate
 
 STREAM_CHUNKS = 8   # data between meshes is streamed per micro-batch: only the last chunk waits
@@ -75,8 +75,8 @@ class Estimator:
             gather = 0.0
             if lay is not None and lay.gather:
                 gather = lay.gather_seconds(m.params)
-                s = ParallelStrategy(src.mesh.size, 1, 1)
-            t = gather + plan_realloc(m, Layout(src.mesh, s), Layout(dst.mesh, dst.strategy),
+                s = Layout(src.mesh.size, 1, 1)
+            t = gather + plan_realloc(m, MeshLayout(src.mesh, s), MeshLayout(dst.mesh, dst.strategy),
                                       self.p.cluster, detail=False).seconds
             self._realloc[key] = t
         return t
@@ -99,7 +99,7 @@ class Estimator:
         out = max(static.get(r, 0.0) for r in gen.mesh.ranks)
         if "actor_gen" in self.needs_realloc(plan):
             m, s = self.p.models["actor"], gen.strategy
-            out += m.param_bytes / (s.tp * s.pp) / (s.dp if s.sharded else 1)
+            out += m.param_bytes / (s.tp * s.pp) / (s.dp if s.zero3 else 1)
         return out
 
     def call_durations(self, plan: ExecutionPlan, static: dict[int, float] | None = None

@@ -22,8 +22,8 @@ import numpy as np
 
 from .costs import CostModel
 from .graph import CALL_MODEL
+from .layout import Layout
 from .mesh import DeviceMesh
-from .strategy import ParallelStrategy
 
 RT_POINTS = 7
 
@@ -37,7 +37,7 @@ def response_lengths(cost: CostModel) -> np.ndarray:
     return lognormal_quantile_lengths(p.batch, p.length_median, p.length_sigma, max_len=p.gen_len)
 
 
-def rollout_time(cost: CostModel, mesh: DeviceMesh, s: ParallelStrategy,
+def rollout_time(cost: CostModel, mesh: DeviceMesh, s: Layout,
                  absorbed: tuple[str, ...], resident: float | None = None) -> tuple[float, dict]:
     """Seconds of generation (plus the ``absorbed`` inference calls, fused) on ``mesh``."""
     from ..rollout.planning import ClusterModel, rt_grid, simulate_fused, simulate_serial
@@ -93,7 +93,7 @@ def _fused_ratio(pa: float, pc: float, dp: int, pp: int, tp: int, mbs: int, batc
     return min(1.0, fused / serial)
 
 
-def fused_train_ratio(cost: CostModel, s_actor: ParallelStrategy, s_critic: ParallelStrategy
+def fused_train_ratio(cost: CostModel, s_actor: Layout, s_critic: Layout
                       ) -> float:
     """Fused / serial time of Actor + Critic training on one mesh (1.0 when not fusable:
     different strategies, or no pipeline)."""

@@ -18,8 +18,8 @@ from typing import Any
 from .errors import PlacementError
 from .graph import CALL_MODEL, CALLS, models_of_calls, plan_calls
 from .hardware import Cluster
+from .layout import Layout
 from .mesh import DeviceMesh, make_mesh
-from .strategy import ParallelStrategy
 
 FORMAT = "rlhf-fusion-plan"
 VERSION = 1
@@ -28,7 +28,7 @@ VERSION = 1
 @dataclass(frozen=True)
 class CallPlacement:
     mesh: DeviceMesh
-    strategy: ParallelStrategy
+    strategy: Layout
 
     def same_layout(self, other: CallPlacement) -> bool:
         return self.mesh.ranks == other.mesh.ranks and self.strategy == other.strategy
@@ -113,7 +113,7 @@ class ExecutionPlan:
             if "ranks" in m and list(m["ranks"]) != list(mesh.ranks):
                 raise PlacementError(f"plan: {c}'s ranks {m['ranks']} do not match its mesh "
                                      f"{mesh} ({list(mesh.ranks)}) on this cluster")
-            calls[c] = CallPlacement(mesh, ParallelStrategy(int(e["dp"]), int(e["tp"]), int(e["pp"]),
+            calls[c] = CallPlacement(mesh, Layout(int(e["dp"]), int(e["tp"]), int(e["pp"]),
                                                             int(e.get("zero", 0))))
         return cls(calls, str(d.get("name", "")), tuple(d.get("offload", ())),
                    dict(d.get("estimate", {})))

@@ -43,10 +43,11 @@ from .errors import PlacementError
 from .estimate import Estimator
 from .graph import CALL_MODEL, CALLS, MODELS, calls_of
 from .hardware import Cluster
+from .layout import Layout
 from .mesh import DeviceMesh, make_mesh, mesh_from_ranks
 from .plan import CallPlacement, ExecutionPlan
 from .problem import PlacementProblem
-from .strategy import ParallelStrategy, strategies_for
+from .strategy import strategies_for
 
 PRESETS: dict[str, tuple[float, float, float, float]] = {
     "colocated": (1, 1, 1, 1),
@@ -192,7 +193,7 @@ def _ladder_key(problem: PlacementProblem, call: str, mesh: DeviceMesh) -> tuple
 
 
 def _megatron_ladder(mesh: DeviceMesh, problem: PlacementProblem, model: str
-                     ) -> list[ParallelStrategy]:
+                     ) -> list[Layout]:
     ss = strategies_for(mesh, problem.models[model], max_tp=problem.max_tp,
                         max_pp=problem.max_pp)
     return sorted(ss, key=lambda s: (s.tp * s.pp, s.pp, s.tp))
@@ -200,7 +201,7 @@ def _megatron_ladder(mesh: DeviceMesh, problem: PlacementProblem, model: str
 
 def _ds_chat_ladder(mesh: DeviceMesh, problem: PlacementProblem, key: tuple,
                     meshes: dict[str, DeviceMesh], config: tuple[int, bool]
-                    ) -> list[ParallelStrategy]:
+                    ) -> list[Layout]:
     """DeepSpeed-Chat (as FlexRLHF runs it, section V-B): every model data parallel over its
     own mesh at one ZeRO stage; at stage 2 the frozen Ref and Reward are plain replicas
     (DeepSpeed-Chat's rlhf_engine: ``if zero_stage != 3: zero_stage = 0``), at stage 3 they are
@@ -217,13 +218,13 @@ def _ds_chat_ladder(mesh: DeviceMesh, problem: PlacementProblem, key: tuple,
         return _megatron_ladder(mesh, problem, model)
     n = mesh.size
     if gen and stage == 3:
-        return [ParallelStrategy(n, 1, 1, 0 if pinned else 3)]
+        return [Layout(n, 1, 1, 0 if pinned else 3)]
     if model in ("ref", "reward"):
-        return [ParallelStrategy(n, 1, 1, 3 if stage == 3 else 0)]
-    return [ParallelStrategy(n, 1, 1, stage)]
+        return [Layout(n, 1, 1, 3 if stage == 3 else 0)]
+    return [Layout(n, 1, 1, stage)]
 
 
-def _ladder(mesh: DeviceMesh, problem: PlacementProblem, key: tuple) -> list[ParallelStrategy]:
+def _ladder(mesh: DeviceMesh, problem: PlacementProblem, key: tuple) -> list[Layout]:
     """Strategies to try in order: by growing model-parallel degree, tensor parallelism first;
     under ``zero3`` pure ZeRO-3 data parallelism, or for the hybrid engine pure tp."""
     model, _, hybrid_engine = key
@@ -231,7 +232,7 @@ def _ladder(mesh: DeviceMesh, problem: PlacementProblem, key: tuple) -> list[Par
     if problem.parallelism == "zero3":
         if hybrid_engine:
             return [s for s in ss if s.pp == 1]
-        return [ParallelStrategy(mesh.size, 1, 1, 3)]
+        return [Layout(mesh.size, 1, 1, 3)]
     return ss
 
 

@@ -23,32 +23,29 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from .hardware import Cluster
+from .layout import Layout
 from .mesh import DeviceMesh
 from .models import ModelShape
-from .strategy import ParallelStrategy
 
 
 @dataclass(frozen=True)
-class Layout:
+class MeshLayout:
+    """A :class:`~rlhf_fusion.placement.layout.Layout` on a mesh of the cluster (the mesh's
+    ranks are the layout's, and its nodes price the transfers)."""
+
     mesh: DeviceMesh
-    strategy: ParallelStrategy
+    strategy: Layout
+
+    @property
+    def placed(self) -> Layout:
+        return self.strategy.on(self.mesh.ranks)
 
     def stage_layers(self, stage: int, layers: int) -> tuple[int, int]:
-        pp = self.strategy.pp
-        return stage * layers // pp, (stage + 1) * layers // pp
+        return self.strategy.stage_layers(stage, layers)
 
     def shards(self, layers: int) -> dict[int, tuple[int, int, Fraction, Fraction]]:
         """rank -> (first layer, end layer, first column, end column)."""
-        out = {}
-        s = self.strategy
-        for i, r in enumerate(self.mesh.ranks):
-            d, t, st = s.coords(i)
-            l0, l1 = self.stage_layers(st, layers)
-            if s.sharded:
-                l0, l1 = (l0 + Fraction((l1 - l0) * d, s.dp),
-                          l0 + Fraction((l1 - l0) * (d + 1), s.dp))
-            out[r] = (l0, l1, Fraction(t, s.tp), Fraction(t + 1, s.tp))
-        return out
+        return self.placed.shards(layers)
 
 
 @dataclass(frozen=True)
@@ -89,7 +86,7 @@ def intersect(a: Rect, b: Rect) -> Rect | None:
     return l0, l1, c0, c1
 
 
-def plan_realloc(model: ModelShape, src: Layout, dst: Layout, cluster: Cluster, *,
+def plan_realloc(model: ModelShape, src: MeshLayout, dst: MeshLayout, cluster: Cluster, *,
                  detail: bool = True) -> ReallocPlan:
     """Transfers that take ``model`` from layout ``src`` to ``dst`` and their time.
     ``detail=False`` skips the InfiniBand lower bound (the search needs only the time)."""

@@ -1,8 +1,9 @@
 """``FusedPipelineStrategy``: train a PPO Actor and Critic with one fused bidirectional pipeline.
 
-A thin Lightning adapter over :mod:`rlhf_fusion.runtime.fused` (``partition_rank`` in
-``setup``, ``FusedRank.plan`` at the first training step, ``forward_backward`` and
-``optimizer_step`` in ``training_step``); sharded checkpoint files are in
+A thin Lightning adapter over the fused pipeline engine
+(:class:`rlhf_fusion.runtime.training_engine.FusedPipelineEngine`: it partitions in ``setup``
+and plans at the first training step) and :mod:`rlhf_fusion.runtime.fused`
+(``forward_backward`` and ``optimizer_step`` in ``training_step``); sharded checkpoint files are in
 :mod:`.checkpoint`. A sibling of Lightning's ``DDPStrategy``. With ``world = dp * N`` processes, every group of N
 consecutive ranks runs one replica of the fused pipeline: Actor stage s on rank s, Critic stage
 s on rank N-1-s (or on the planner's placement when a model has several copies). The strategy
@@ -38,6 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import Unpack, override
 
+from ..placement.layout import FUSED_PIPELINE, Layout
 from ..runtime.checkpoint import (
     aliases,
     local_optimizer_state,
@@ -53,10 +55,11 @@ from ..runtime.fused import (
     forward_backward,
     fused_problem,
     optimizer_step,
-    partition_rank,
 )
 from ..runtime.microbatch import split_micro_batches
 from ..runtime.plan import PipelinePlan
+from ..runtime.ppo import PPOConfig
+from ..runtime.training_engine import EngineSpec, FusedPipelineEngine
 from ..schedule import Problem, Schedule
 from .checkpoint import load_shards, save_meta, save_shards
 from .launcher import FusedPipelineLauncher
@@ -142,6 +145,7 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
         """The state ``setup`` creates for a fit (and ``teardown`` drops)."""
         # This rank's partitioned stages; its engine once the first step planned the schedule.
         self._fused: FusedRank | None = None
+        self._engine: FusedPipelineEngine | None = None
         # The unpartitioned module's layout: checkpoints are written in it.
         self._full_param_names: list[str] = []
         self._full_state_keys: list[str] = []
@@ -323,15 +327,22 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
             role: float(sum(p.numel() for p in getattr(module, role).parameters()))
             for role in ROLES
         }
-        self._fused = partition_rank(
-            problem,
-            {role: getattr(module, role) for role in ROLES},
-            self.global_rank,
-            loss_fns={"actor": module.actor_loss, "critic": module.critic_loss},
-            layers=self._layers,
-            replicas=replicas,
-            device=self.root_device,
-        )
+        every = tuple(range(problem.stage_groups * replicas))
+        # The fused pipeline engine partitions, plans (at the first step) and keeps the stages;
+        # Lightning keeps the optimizers (configure_optimizers) and the step's arithmetic.
+        self._engine = FusedPipelineEngine(EngineSpec(
+            layouts={m.name: Layout(len(every) // m.pipeline_stages, pp=m.pipeline_stages,
+                                    ranks=every, kind=FUSED_PIPELINE) for m in problem.models},
+            targets={m.name: Layout(len(every), ranks=every) for m in problem.models},
+            rank=self.global_rank, world=len(every), ppo=PPOConfig(),
+            make_optimizers=lambda _params: {}, device=self.root_device, distributed=True,
+            replicas=replicas, stage_groups=problem.stage_groups, solver=self._solver,
+            solver_time_limit=self._solver_time_limit, timeout_s=self._timeout,
+            loss_fns={"actor": module.actor_loss, "critic": module.critic_loss}, trace=False,
+            problem=problem, layers=self._layers, sizes=self._model_sizes,
+            profile_repeats=self._profile_repeats, schedule=self._schedule))
+        self._engine.setup({role: getattr(module, role) for role in ROLES})
+        self._fused = self._engine.fused
         log.debug(
             "rank %d holds %s",
             self.global_rank,
@@ -345,16 +356,9 @@ class FusedPipelineStrategy(ProcessGroupStrategy):
 
         Collective over all ranks; runs at the first training step.
         """
-        schedule = fused.plan(
-            micro_batches,
-            schedule=self._schedule,
-            solver=self._solver,
-            time_limit=self._solver_time_limit,
-            profile_repeats=self._profile_repeats,
-            timeout=self._timeout,
-            device=self.root_device,
-            sizes=self._model_sizes,
-        )
+        assert self._engine is not None and self._engine.fused is fused
+        self._engine.prepare(micro_batches)
+        schedule = self._engine.schedule
         if self._schedule_out is not None and self.global_rank == 0:
             schedule.save(self._schedule_out)
         rank_zero_info(

@@ -153,15 +153,15 @@ def run_rollout(
     bs_max: int | None = None,
     store: Any = None,
     group: Any = None,
-    _faults: FaultHook | None = None,
+    faults: FaultHook | None = None,
 ) -> RolloutOutput:
     """One generation + inference stage on every rank of ``group`` (default: every rank).
 
     Every rank passes the same ``specs`` and ``config``; each generates the samples with
     ``sample_id % world_size == rank`` first. Returns the whole batch, sorted, on every rank.
     Only the ranks of ``group`` call it; ranks in the text and the stats are ranks of
-    ``group``. ``store`` defaults to the default group's c10d store. ``_faults`` is for fault-injection
-    tests only (see :data:`FaultHook`).
+    ``group``. ``store`` defaults to the default group's c10d store. ``faults``: a hook called at
+    each protocol point (see :data:`FaultHook`), injected by fault-injection tests.
     """
     if not dist.is_initialized():
         raise RolloutConfigError(
@@ -170,7 +170,7 @@ def run_rollout(
     bs_max = bs_max if bs_max is not None else getattr(backend, "max_batch_size", 1 << 30)
     # Identical inputs on every rank: a bad configuration fails everywhere, before any wait.
     m = check_rollout(specs, config, dist.get_world_size(group), bs_max)
-    r = _Rank(config, store if store is not None else _default_store(), _faults or _no_fault,
+    r = _Rank(config, store if store is not None else _default_store(), faults or _no_fault,
               group)
     ids = [s.sample_id for s in specs]
     rt = config.resolve_rt(len(specs)) if config.fused else None

@@ -107,3 +107,7 @@ def format_stream_grid(
     if hi < longest - 1:
         lines.append(row("...", {r: "" for r in ranks}, None))
     return "\n".join(line.rstrip() for line in lines)
+
+
+class EngineKindError(RLHFFusionError, ValueError):
+    """Training layouts no training engine runs together; the message names the kinds."""

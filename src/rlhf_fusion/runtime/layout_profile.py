@@ -37,12 +37,13 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..placement.layout import Layout
 from ..placement.profile import FORMAT, layout_key
 from .fused import default_loss_fns, model_outputs
 from .microbatch import split_micro_batches
 from .ppo import PPOConfig
 from .sharded_state import full_state_dict
-from .sharded_train import TrainLayout, data_parallel_step, layout_groups, shard_for_training
+from .sharded_train import data_parallel_step, layout_groups, shard_for_training
 
 __all__ = ["check_layouts", "default_depths", "median_layouts", "profile_layouts"]
 
@@ -93,7 +94,7 @@ def _layout_rank(rank: int, world: int, config: Any, role: str, build: Callable[
     out: dict[str, Any] = {}
     groups: dict[tuple[int, ...], Any] = {}
     for dp, tp, zero in layouts:
-        lay = TrainLayout(tuple(range(dp * tp)), dp, tp, zero)
+        lay = Layout(dp, tp, 1, zero, tuple(range(dp * tp)))
         for g in layout_groups(lay):   # collective: every rank, in one order
             if g not in groups:
                 groups[g] = (dist.group.WORLD if len(g) == world
@@ -143,7 +144,7 @@ def _layout_rank(rank: int, world: int, config: Any, role: str, build: Callable[
         # A sharded layout's weight sync starts by gathering whole weights on every rank
         # (full_state_dict: a collective per parameter), as the loop's does.
         gathers: dict[int, float] = {}
-        if lay.sharded:
+        if lay.dtensor:
             for depth in depths:
                 ts = []
                 for r in range(repeats + 1):

@@ -1,7 +1,7 @@
 """Execution of parameter reallocation between two layouts of one model (ReaLHF §6).
 
 :func:`rlhf_fusion.placement.plan_realloc` plans how a model goes from a source
-:class:`~rlhf_fusion.placement.Layout` (mesh + (dp, tp, pp)) to a destination one: a list of
+:class:`~rlhf_fusion.placement.MeshLayout` (mesh + (dp, tp, pp)) to a destination one: a list of
 ``Transfer(src, dst, layers, columns)`` rectangles in (layer, tensor-column) space, each from
 the cheapest holder, so that every destination rank ends up with its shard and each byte it
 lacks arrives exactly once. This module runs that list on ``torch.distributed`` with real
@@ -50,7 +50,7 @@ from torch import Tensor, nn
 from ..placement.hardware import Cluster
 from ..placement.models import ModelShape
 from ..placement.realloc_plan import (
-    Layout,
+    MeshLayout,
     ReallocPlan,
     Rect,
     Transfer,
@@ -219,7 +219,7 @@ def shard_bytes(table: ParamTable, rect: Rect, within: Rect | None = None) -> in
 
 
 # -- building and assembling shards ----------------------------------------------------------------
-def local_shard(model: nn.Module, role: str, layout: Layout, rank: int) -> dict[str, Tensor] | None:
+def local_shard(model: nn.Module, role: str, layout: MeshLayout, rank: int) -> dict[str, Tensor] | None:
     """``rank``'s shard of a whole ``model`` in ``layout`` (copies, so the model can be freed),
     or ``None`` when ``rank`` is not in the layout's mesh."""
     lay = layer_of(model, role)
@@ -231,7 +231,7 @@ def local_shard(model: nn.Module, role: str, layout: Layout, rank: int) -> dict[
                                           (rect[2], rect[3])).items()}
 
 
-def assemble(table: ParamTable, layout: Layout, shards: Mapping[int, Mapping[str, Tensor]],
+def assemble(table: ParamTable, layout: MeshLayout, shards: Mapping[int, Mapping[str, Tensor]],
              device: torch.device | str | None = None) -> dict[str, Tensor]:
     """Whole tensors from shards of one layout (rank -> shard); a data-parallel replica is read
     from its lowest rank. Raises ``KeyError`` naming what no given shard covers."""
@@ -296,8 +296,8 @@ def _describe(t: Transfer) -> str:
 
 def execute(
     table: ParamTable,
-    src: Layout,
-    dst: Layout,
+    src: MeshLayout,
+    dst: MeshLayout,
     local: Mapping[str, Tensor] | None,
     cluster: Cluster,
     *,

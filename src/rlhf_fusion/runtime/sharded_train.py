@@ -4,7 +4,7 @@ A training call runs on a mesh of ranks with a strategy ``(dp, tp, zero)`` (``pp
 
 * ``tp = 1``, no ZeRO: whole copies, gradients all-reduced over the mesh (data parallel);
 * ``tp > 1``: the mesh is ``dp`` groups of ``tp`` consecutive ranks (the planner's order:
-  the tp index runs fastest, :meth:`ParallelStrategy.coords`); each group is one
+  the tp index runs fastest, :meth:`~rlhf_fusion.placement.layout.Layout.coords`); each group is one
   tensor-parallel model (:func:`~rlhf_fusion.runtime.tensor_parallel.apply_tensor_parallel`)
   and the ``dp`` groups' gradients are all-reduced among the ranks of equal tp index;
 * ``zero = 3`` (``tp = 1``): FSDP2 over the mesh (:func:`~rlhf_fusion.runtime.fsdp.apply_zero3`),
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,52 +28,16 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
 
+from ..placement.layout import Layout
 from .fused import reference_step
 from .sharded_state import clip_grad_norm_
 
-__all__ = ["TrainLayout", "data_parallel_step", "layout_groups", "shard_for_training"]
+__all__ = ["data_parallel_step", "layout_groups", "shard_for_training"]
 
 
-@dataclass(frozen=True)
-class TrainLayout:
-    """A training call's ranks (in mesh order) and strategy."""
-
-    ranks: tuple[int, ...]
-    dp: int
-    tp: int = 1
-    zero: int = 0
-
-    def __post_init__(self) -> None:
-        if self.dp * self.tp != len(self.ranks):
-            raise ValueError(f"dp*tp={self.dp * self.tp} on {len(self.ranks)} ranks")
-        if self.zero == 3 and self.tp > 1:
-            raise ValueError("ZeRO-3 with tensor parallelism is not supported")
-
-    @property
-    def sharded(self) -> bool:
-        """Parameters are DTensor shards (tensor parallel or ZeRO-3)."""
-        return self.tp > 1 or self.zero == 3
-
-    def tp_ranks(self, rank: int) -> tuple[int, ...]:
-        """The tensor-parallel group of ``rank`` (consecutive in the mesh)."""
-        i = self.ranks.index(rank) // self.tp * self.tp
-        return self.ranks[i: i + self.tp]
-
-    def dp_ranks(self, rank: int) -> tuple[int, ...]:
-        """The ranks ``rank``'s gradients are summed with (equal tp index)."""
-        return self.ranks[self.ranks.index(rank) % self.tp:: self.tp]
-
-    def dp_index(self, rank: int) -> int:
-        return self.ranks.index(rank) // self.tp
-
-
-def layout_groups(layout: TrainLayout) -> list[tuple[int, ...]]:
+def layout_groups(layout: Layout) -> list[tuple[int, ...]]:
     """Every rank set ``layout`` communicates over: the mesh, its tp and dp groups."""
-    out = {layout.ranks}
-    for r in layout.ranks:
-        out.add(layout.tp_ranks(r))
-        out.add(layout.dp_ranks(r))
-    return sorted(out)
+    return layout.groups()
 
 
 def _mesh(group: dist.ProcessGroup, device: torch.device) -> Any:
@@ -83,7 +46,7 @@ def _mesh(group: dist.ProcessGroup, device: torch.device) -> Any:
     return DeviceMesh.from_group(group, device.type)
 
 
-def shard_for_training(model: nn.Module, role: str, layout: TrainLayout, rank: int,
+def shard_for_training(model: nn.Module, role: str, layout: Layout, rank: int,
                        groups: Mapping[tuple[int, ...], dist.ProcessGroup],
                        device: torch.device) -> nn.Module:
     """Apply ``layout`` to ``model`` (whole, identical on every rank of the mesh) in place."""
@@ -98,7 +61,7 @@ def shard_for_training(model: nn.Module, role: str, layout: TrainLayout, rank: i
     return model
 
 
-def data_parallel_step(model: nn.Module, role: str, layout: TrainLayout, rank: int,
+def data_parallel_step(model: nn.Module, role: str, layout: Layout, rank: int,
                        micro_batches: Sequence[Mapping[str, Tensor]],
                        loss_fns: Mapping[str, Callable], optimizer: torch.optim.Optimizer,
                        groups: Mapping[tuple[int, ...], dist.ProcessGroup],

@@ -60,7 +60,7 @@ from ..placement.estimate import STREAM_CHUNKS, Estimate, Estimator
 from ..placement.graph import TRAIN_CALL
 from ..placement.hardware import A100_80G, Hardware
 from ..placement.plan import ExecutionPlan
-from ..placement.realloc_plan import Layout, plan_realloc
+from ..placement.realloc_plan import MeshLayout, plan_realloc
 from ..placement.timeline import Timeline
 
 
@@ -154,8 +154,8 @@ def build_program(plan: ExecutionPlan, estimator: Estimator, estimate: Estimate 
         if n.kind == "realloc":
             model, call = n.model, n.call
             src, dst = plan.calls[TRAIN_CALL[model]], plan.calls[call]
-            rp = plan_realloc(p.models[model], Layout(src.mesh, src.strategy),
-                              Layout(dst.mesh, dst.strategy), p.cluster, detail=False)
+            rp = plan_realloc(p.models[model], MeshLayout(src.mesh, src.strategy),
+                              MeshLayout(dst.mesh, dst.strategy), p.cluster, detail=False)
             msgs = []
             for t in rp.transfers:
                 msgs.append(Message(tag, t.src, t.dst, max(1, round(t.nbytes * byte_scale)),

@@ -103,7 +103,7 @@ def tiny_job_worker(rank: int, world: int, job: TinyJob) -> list[dict[str, Any]]
     for cfg in job.configs:
         dist.barrier()
         t = time.perf_counter()
-        res = run_rollout(backend, inference, job.specs, cfg, bs_max=job.bs_max, _faults=fault)
+        res = run_rollout(backend, inference, job.specs, cfg, bs_max=job.bs_max, faults=fault)
         wall = time.perf_counter() - t
         out.append({"wall_s": wall, "stats": res.stats,
                     "output": res if (rank == 0 and job.return_outputs) else None})

@@ -21,16 +21,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ...runtime.fused import FusedRank, forward_backward, fused_problem, optimizer_step
-from ...runtime.fused import partition_rank as _partition_rank
-from ...runtime.weight_sync import (
-    broadcast_parameters,
-    full_state,
-    ownership,
-    shapes_of,
-    stage_parameters,
-    tied_aliases,
-)
+from ...placement.layout import Layout
+from ...runtime.fused import ROLES, FusedRank, forward_backward, optimizer_step
+from ...runtime.ppo import PPOConfig
+from ...runtime.training_engine import EngineSpec, FusedPipelineEngine
+from ...runtime.weight_sync import full_state
 from .experience import PPOExperience, policy_stats, policy_terms, value_terms
 from .fusion import FusionConfigError
 from .rollout import PPORollout
@@ -102,7 +97,9 @@ def _ppo_loss_fns(args: Any) -> dict[str, Callable[[Tensor, Mapping[str, Tensor]
 
 
 class PipelinedPPO:
-    """The pipeline side of one rank: its stages, the whole copies, the reallocation."""
+    """The pipeline side of one rank: the fused pipeline engine
+    (:class:`~rlhf_fusion.runtime.training_engine.FusedPipelineEngine`: its stages, plan and
+    reallocation) with TRL's losses, and the whole copies it refreshes."""
 
     def __init__(self, policy: nn.Module, value_model: nn.Module, *, args: Any, stages: int,
                  world: int, rank: int, device: torch.device, solver: str,
@@ -123,15 +120,18 @@ class PipelinedPPO:
         self.time_limit = time_limit
         # Whole copies for generation and scoring; training owns the originals, cut in place.
         self.whole = {"actor": copy.deepcopy(policy), "critic": copy.deepcopy(value_model)}
-        self._shapes = {role: shapes_of(m) for role, m in self.whole.items()}
-        self._tied = {role: tied_aliases(m) for role, m in self.whole.items()}
         # Every process's micro-batches of one mini-batch go through its replica's pipeline.
         micro = stages * (args.local_mini_batch_size // args.per_device_train_batch_size)
-        problem = fused_problem(stage_groups=stages, micro_batches=micro)
-        self.fused: FusedRank = _partition_rank(
-            problem, {"actor": policy, "critic": value_model}, rank,
-            loss_fns=_ppo_loss_fns(args), replicas=self.replicas, device=device)
-        self._owners: dict[str, Any] | None = None
+        every = tuple(range(world))
+        self.engine = FusedPipelineEngine(EngineSpec(
+            layouts={r: Layout(self.replicas, pp=stages, ranks=every) for r in ROLES},
+            targets={r: Layout(world, ranks=every) for r in ROLES},
+            rank=rank, world=world, ppo=PPOConfig(), make_optimizers=lambda _params: {},
+            device=device, distributed=True, replicas=self.replicas, stage_groups=stages,
+            solver=solver, solver_time_limit=time_limit, timeout_s=300.0,
+            loss_fns=_ppo_loss_fns(args), micro_batches=micro, trace=False))
+        self.engine.setup({"actor": policy, "critic": value_model})
+        self.fused: FusedRank = self.engine.fused
 
     @property
     def replica(self) -> int:
@@ -149,9 +149,8 @@ class PipelinedPPO:
         ``loss_denominator``); with ``optimizer``, then sync the gradients and step. Returns
         the loss statistics summed over micro-batches and replicas, each divided by the
         denominator."""
-        if self.fused.engine is None:
-            self.fused.plan(micro_batches, solver=self.solver, time_limit=self.time_limit,
-                            device=self.device)
+        if self.fused.engine is None:   # the first step plans the pipeline
+            self.engine.prepare(micro_batches)
             for stage in self.fused.stages.values():  # profiling ran real backwards
                 for p in stage.parameters():
                     p.grad = None
@@ -166,15 +165,8 @@ class PipelinedPPO:
     @torch.no_grad()
     def sync_whole_copies(self) -> None:
         """Training layout -> the whole copies (ReaLHF §6 reallocation)."""
-        stage_params = {r: stage_parameters(s.module, self._tied[r])
-                        for r, s in self.fused.stages.items()}
-        if self._owners is None:
-            self._owners = ownership(stage_params,
-                                     {r: self.fused.is_canonical(r) for r in stage_params})
         for role, whole in self.whole.items():
-            params, _ = broadcast_parameters(self._owners[role], stage_params.get(role, {}),
-                                             self._shapes[role], self.device)
-            whole.load_state_dict(full_state(whole, params))
+            whole.load_state_dict(full_state(whole, self.engine.whole_weights(role)))
 
     def close(self) -> None:
-        self.fused.close()
+        self.engine.close()
