@@ -34,7 +34,7 @@ def test_a_name_is_the_section_and_ppo_the_default():
     cfg = cfg_with("grpo")
     assert cfg.algorithm.name == "grpo" and cfg.algorithm.n == 1
     cfg = cfg_with({"name": "grpo", "n": 4})
-    cfg.validate(sources=False)
+    cfg.validate()
     assert samples_per_iteration(cfg) == 32
     assert cfg.to_dict()["algorithm"]["n"] == 4
 
@@ -72,14 +72,14 @@ def test_a_name_is_the_section_and_ppo_the_default():
 ])
 def test_rules_across_sections_name_the_field(algorithm, sections, field, message):
     with pytest.raises(LoopConfigError) as err:
-        cfg_with(algorithm, **sections).validate(sources=False)
+        cfg_with(algorithm, **sections).validate()
     text = str(err.value)
     assert text.startswith(f"{field}: ") and message in text, text
 
 
 def test_grpo_with_n_samples_divides_mini_batches_over_samples_not_prompts():
     # 8 prompts x 3 = 24 samples: 3 mini-batches of 8 samples (3 does not divide 8 prompts)
-    cfg_with({"name": "grpo", "n": 3}, ppo={"num_mini_batches": 3}).validate(sources=False)
+    cfg_with({"name": "grpo", "n": 3}, ppo={"num_mini_batches": 3}).validate()
 
 
 def test_resolved_merges_the_aliases_and_fills_from_ppo():
@@ -87,7 +87,7 @@ def test_resolved_merges_the_aliases_and_fills_from_ppo():
                     "loss_type": "dr_grpo", "use_kl_loss": True, "kl_loss_coef": 0.01,
                     "clip_ratio_high": 0.28},
                    ppo={"cliprange": 0.1, "num_ppo_epochs": 3})
-    cfg.validate(sources=False)
+    cfg.validate()
     r = cfg.algorithm.resolved(cfg.ppo)
     assert (r.scale_rewards, r.loss_agg_mode) == ("none", "seq-mean-token-sum-norm")
     assert (r.clip_ratio_low, r.clip_ratio_high, r.epochs) == (0.1, 0.28, 3)

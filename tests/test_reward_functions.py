@@ -23,6 +23,7 @@ from rlhf_fusion.loop.arithmetic import (
     format_reward,
 )
 from rlhf_fusion.loop.models import build_models, load_tokenizer
+from rlhf_fusion.loop.resolve import resolve_run
 from rlhf_fusion.loop.reward_functions import RewardFunctions, resolve_reward_spec
 
 BASE = {
@@ -163,4 +164,4 @@ def test_arithmetic_by_name_and_by_import_path():
     RLHFConfig.from_dict(data).validate()
     data["models"]["reward"] = "arithmetik"
     with pytest.raises(LoopConfigError, match="not a built-in rule"):
-        RLHFConfig.from_dict(data).validate()
+        resolve_run(RLHFConfig.from_dict(data))   # the sources are read once, there

@@ -17,13 +17,14 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..algorithms import LOSS_AGG_MODES, TRL_LOSS_TYPES
 from .errors import LoopConfigError
 
-if TYPE_CHECKING:
-    from .config import RLHFConfig
+# ``cfg`` below is a loop.config.RLHFConfig; config.py imports this module (loop/ has no
+# import cycles, TYPE_CHECKING ones included: tests/test_layering.py).
+RLHFConfig = Any
 
 __all__ = [
     "ALGORITHMS",

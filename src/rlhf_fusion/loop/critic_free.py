@@ -175,7 +175,7 @@ class CriticFreeWorker:
     """One rank of a critic-free run (the default process group, or one process)."""
 
     def __init__(self, cfg: RLHFConfig, *, device: torch.device | str = "cpu") -> None:
-        cfg.validate(sources=False)
+        cfg.validate()
         if not cfg.algorithm.critic_free:
             raise LoopConfigError("algorithm.name: ppo runs on PPOWorker; CriticFreeWorker "
                                   "runs grpo, rloo, reinforce_pp and reinforce_pp_baseline")
