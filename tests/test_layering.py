@@ -275,17 +275,9 @@ def _classes_with_layout_fields() -> list[str]:
     return out
 
 
-# Not yet the one Layout, and why: schedule/ sits below placement/ in LAYERS, and its
-# frontend's ModelConfig (a model's size with its degrees, the input of derive_problem) cannot
-# import it. The list only shrinks.
-KNOWN_LAYOUT_CLASSES = {"rlhf_fusion.schedule.frontend.ModelConfig"}
-
-
 def test_one_layout_class():
     # (ranks, dp, tp, pp, zero) is one type; a second one means hand-written conversions.
-    found = set(_classes_with_layout_fields())
-    assert found - KNOWN_LAYOUT_CLASSES == {"rlhf_fusion.placement.layout.Layout"}
-    assert KNOWN_LAYOUT_CLASSES <= found, "no longer a layout class: shrink KNOWN_LAYOUT_CLASSES"
+    assert set(_classes_with_layout_fields()) == {"rlhf_fusion.placement.layout.Layout"}
 
 
 # What a branch on the training layout's kind looks like in the worker: comparing a kind,

@@ -12,6 +12,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from rlhf_fusion.placement.layout import Layout
+from rlhf_fusion.placement.pipeline_problem import ModelConfig, derive_problem
 from rlhf_fusion.schedule import (
     Action,
     CapacityError,
@@ -32,7 +34,6 @@ from rlhf_fusion.schedule import (
     validate,
 )
 from rlhf_fusion.schedule.actions import check_streams_match
-from rlhf_fusion.schedule.frontend import ModelConfig, derive_problem
 
 REPO = Path(__file__).resolve().parents[1]
 # RLHFuse Table 3 settings and reference numbers (the file names its source).
@@ -298,22 +299,22 @@ def test_cli_schedule(tmp_path, capsys):
 
 
 def test_frontend_derives_table3_shape_and_names_fixes():
-    p = derive_problem(ModelConfig("actor", 33e9, dp=1, pp=8, tp=8),
-                       ModelConfig("critic", 13e9, dp=2, pp=8, tp=4), global_batch=32)
+    p = derive_problem(ModelConfig("actor", 33e9, Layout(dp=1, pp=8, tp=8)),
+                       ModelConfig("critic", 13e9, Layout(dp=2, pp=8, tp=4)), global_batch=32)
     a, c = p.models
     assert p.stage_groups == 8
     assert (a.pipeline_stages, a.copies, a.micro_batches) == (8, 1, 32)
     assert (c.pipeline_stages, c.copies, c.micro_batches) == (4, 2, 16)
     validate(p, greedy(p))  # schedulable
     with pytest.raises(ProblemError, match="divisible by tp ratio"):
-        derive_problem(ModelConfig("actor", 33e9, dp=1, pp=8, tp=8),
-                       ModelConfig("critic", 13e9, dp=16, pp=4, tp=1), global_batch=32)
+        derive_problem(ModelConfig("actor", 33e9, Layout(dp=1, pp=8, tp=8)),
+                       ModelConfig("critic", 13e9, Layout(dp=16, pp=4, tp=1)), global_batch=32)
     with pytest.raises(ProblemError, match="not a multiple"):
-        derive_problem(ModelConfig("actor", 33e9, dp=1, pp=8, tp=6),
-                       ModelConfig("critic", 13e9, dp=3, pp=4, tp=4), global_batch=48)
+        derive_problem(ModelConfig("actor", 33e9, Layout(dp=1, pp=8, tp=6)),
+                       ModelConfig("critic", 13e9, Layout(dp=3, pp=4, tp=4)), global_batch=48)
     with pytest.raises(ProblemError, match="set critic.dp to 2"):
-        derive_problem(ModelConfig("actor", 33e9, dp=1, pp=8, tp=8),
-                       ModelConfig("critic", 13e9, dp=1, pp=8, tp=4), global_batch=32)
+        derive_problem(ModelConfig("actor", 33e9, Layout(dp=1, pp=8, tp=8)),
+                       ModelConfig("critic", 13e9, Layout(dp=1, pp=8, tp=4)), global_batch=32)
 
 
 def test_planning_code_imports_no_torch():

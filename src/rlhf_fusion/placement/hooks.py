@@ -75,13 +75,15 @@ def _fused_ratio(pa: float, pc: float, dp: int, pp: int, tp: int, mbs: int, batc
     from ..schedule import ProblemError, greedy
     from ..schedule.baselines import serial_1f1b
     from ..schedule.evaluate import CompiledProblem
-    from ..schedule.frontend import ModelConfig, derive_problem
+    from .layout import Layout
+    from .pipeline_problem import ModelConfig, derive_problem
 
     if pp == 1:
         return 1.0
     try:
-        prob = derive_problem(ModelConfig("actor", pa, dp, pp, tp, mbs),
-                              ModelConfig("critic", pc, dp, pp, tp, mbs),
+        lay = Layout(dp=dp, tp=tp, pp=pp)
+        prob = derive_problem(ModelConfig("actor", pa, lay, mbs),
+                              ModelConfig("critic", pc, lay, mbs),
                               global_batch=batch, tokens_per_sample=seq)
     except ProblemError:
         return 1.0

@@ -12,16 +12,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .problem import Problem, ProblemError
+from ..schedule.problem import Problem, ProblemError
+from .layout import Layout
 
 
 @dataclass(frozen=True)
 class ModelConfig:
+    """A model of the fused pipeline: its size and its training :class:`Layout` (dp, pp, tp)."""
+
     name: str
     params: float  # parameter count, e.g. 33e9
-    dp: int
-    pp: int
-    tp: int
+    layout: Layout
     micro_batch_size: int = 1
     direction: str = "forward"
 
@@ -43,42 +44,43 @@ def derive_problem(
     of the model per GPU. The absolute units do not matter to the planner, only the ratios.
     """
     models = [actor, critic]
-    for m in models:
-        for key in ("dp", "pp", "tp", "micro_batch_size"):
-            v = getattr(m, key)
-            if not isinstance(v, int) or v < 1:
-                raise ProblemError(f"{m.name}.{key}: must be a positive integer, got {v!r}")
-    gpus = [m.dp * m.pp * m.tp for m in models]
+    for m in models:   # (the degrees were checked by their Layout)
+        v = m.micro_batch_size
+        if not isinstance(v, int) or v < 1:
+            raise ProblemError(f"{m.name}.micro_batch_size: must be a positive integer, "
+                               f"got {v!r}")
+    gpus = [m.layout.size for m in models]
     if gpus[0] != gpus[1]:
-        want = gpus[0] // (critic.pp * critic.tp) if gpus[0] % (critic.pp * critic.tp) == 0 else None
+        per = critic.layout.pp * critic.layout.tp
+        want = gpus[0] // per if gpus[0] % per == 0 else None
         fix = f"set {critic.name}.dp to {want}" if want else "make dp*pp*tp equal"
         raise ProblemError(
             f"{actor.name} uses dp*pp*tp = {gpus[0]} GPUs but {critic.name} uses {gpus[1]}; "
             f"fused models share the same GPUs: {fix}"
         )
-    big, small = (actor, critic) if actor.tp >= critic.tp else (critic, actor)
-    if big.tp % small.tp:
+    big, small = (actor, critic) if actor.layout.tp >= critic.layout.tp else (critic, actor)
+    if big.layout.tp % small.layout.tp:
         raise ProblemError(
-            f"tp: {big.name}.tp={big.tp} is not a multiple of {small.name}.tp={small.tp}; "
+            f"tp: {big.name}.tp={big.layout.tp} is not a multiple of {small.name}.tp={small.layout.tp}; "
             "choose tensor-parallel degrees where one divides the other"
         )
-    s = big.tp // small.tp
-    if small.pp % s:
+    s = big.layout.tp // small.layout.tp
+    if small.layout.pp % s:
         raise ProblemError(
-            f"{small.name}.pp={small.pp} must be divisible by tp ratio {s} "
+            f"{small.name}.pp={small.layout.pp} must be divisible by tp ratio {s} "
             f"({big.name}.tp / {small.name}.tp) so its stages can be merged in groups of {s}; "
             f"choose {small.name}.pp as a multiple of {s}"
         )
-    eff_pp = {actor.name: actor.pp, critic.name: critic.pp}
-    eff_pp[small.name] = small.pp // s
+    eff_pp = {actor.name: actor.layout.pp, critic.name: critic.layout.pp}
+    eff_pp[small.name] = small.layout.pp // s
     n = math.lcm(eff_pp[actor.name], eff_pp[critic.name])
     specs = []
     for m, direction in ((actor, "forward"), (critic, "reverse")):
-        samples_per_replica = global_batch / m.dp
-        if global_batch % (m.dp * m.micro_batch_size):
+        samples_per_replica = global_batch / m.layout.dp
+        if global_batch % (m.layout.dp * m.micro_batch_size):
             raise ProblemError(
                 f"global_batch={global_batch} is not divisible by {m.name}.dp * micro_batch_size "
-                f"= {m.dp * m.micro_batch_size}; choose a multiple"
+                f"= {m.layout.dp * m.micro_batch_size}; choose a multiple"
             )
         micro_batches = int(samples_per_replica // m.micro_batch_size)
         pp = eff_pp[m.name]
@@ -86,8 +88,8 @@ def derive_problem(
         # Copies inside one fused pipeline are data-parallel replicas: they split the batch.
         per_copy = micro_batches * (n // pp) // copies
         tokens = m.micro_batch_size * tokens_per_sample
-        fwd = 2 * (m.params / pp) * tokens / (big.tp * gpu_flops)
-        act = activation_bytes_per_token_param * tokens * (m.params / pp) / big.tp
+        fwd = 2 * (m.params / pp) * tokens / (big.layout.tp * gpu_flops)
+        act = activation_bytes_per_token_param * tokens * (m.params / pp) / big.layout.tp
         specs.append({
             "name": m.name, "pipeline_stages": pp, "copies": copies,
             "micro_batches": per_copy, "forward": fwd, "backward": 2 * fwd,
