@@ -17,9 +17,10 @@ from .config import (
     RLHFConfig,
 )
 from .iteration import IterationResult, PPOWorker
-from .models import CharTokenizer, Models, build_models, vowel_fraction
+from .models import Models, build_models, vowel_fraction
 from .placement import LoopPlacement
 from .run import load_prompts, train
+from .tokenizers import CharTokenizer
 
 __all__ = [
     "CharTokenizer",

@@ -17,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from .algorithm_config import AlgorithmConfig
-from .arithmetic import ArithmeticTokenizer, arithmetic_prompts, correct
+from .arithmetic import arithmetic_prompts, correct
 from .config import FusionLoopConfig, GenerationConfig, ModelsConfig, PPOLoopConfig, RLHFConfig
+from .tokenizers import ArithmeticTokenizer
 
 REWARDS = {"functions": [
     {"function": "rlhf_fusion.loop.arithmetic:correctness_reward", "weight": 1.0},

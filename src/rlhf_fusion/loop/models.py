@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import re
-import string
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,9 +17,10 @@ import torch
 from torch import nn
 
 from ..runtime.partition import CriticModel
-from .arithmetic import ArithmeticTokenizer, correct
+from .arithmetic import correct
 from .errors import LoopConfigError
 from .reward_functions import is_function_spec, resolve_reward_spec
+from .tokenizers import ArithmeticTokenizer, CharTokenizer
 
 if TYPE_CHECKING:
     from .config import ModelsConfig, ModelSource, RLHFConfig
@@ -29,29 +29,6 @@ MODEL_FAMILIES = ("llama", "qwen2", "mistral", "gpt2")
 
 RewardFn = Callable[[str, str], float]
 """A rule-based reward, as TRL's reward functions: ``f(prompt_text, response_text) -> score``."""
-
-
-class CharTokenizer:
-    """A character tokenizer built locally (nothing downloaded): pad 0, eos 1, then characters.
-
-    It is what the demo and the tests use; any object with ``encode``, ``decode``,
-    ``eos_token_id`` and ``pad_token_id`` works in its place (see :func:`load_tokenizer`).
-    """
-
-    alphabet = string.ascii_lowercase + " .,:?!'-"
-
-    def __init__(self) -> None:
-        self.pad_token_id = 0
-        self.eos_token_id = 1
-        self._ids = {c: i + 2 for i, c in enumerate(self.alphabet)}
-        self._chars = {i: c for c, i in self._ids.items()}
-        self.vocab_size = len(self.alphabet) + 2
-
-    def encode(self, text: str) -> list[int]:
-        return [self._ids[c] for c in text.lower() if c in self._ids]
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return "".join(self._chars.get(int(i), "") for i in ids)
 
 
 #: ``models.tokenizer`` names built here (nothing downloaded): the demo's tokenizers.
