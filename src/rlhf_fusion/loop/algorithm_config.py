@@ -13,14 +13,17 @@ The tensor math lives in :mod:`rlhf_fusion.algorithms`; this module only names a
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from ..algorithms import LOSS_AGG_MODES, TRL_LOSS_TYPES
 from .errors import LoopConfigError
+from .sections import check_boolean as _boolean
+from .sections import check_choice as _choice
+from .sections import check_integer as _integer
+from .sections import check_number as _number
+from .sections import section
 
 # ``cfg`` below is a loop.config.RLHFConfig; config.py imports this module (loop/ has no
 # import cycles, TYPE_CHECKING ones included: tests/test_layering.py).
@@ -164,20 +167,7 @@ def algorithm_from(value: Any) -> AlgorithmConfig:
     if not isinstance(value, Mapping):
         raise LoopConfigError(f"algorithm: expected a name ({', '.join(ALGORITHMS)}) or a "
                               f"mapping with name:, got {type(value).__name__}")
-    known = {f.name for f in dataclasses.fields(AlgorithmConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise LoopConfigError(f"algorithm: unknown keys {unknown}; known: {sorted(known)}")
-    out = dict(value)
-    for key in ("epsilon", "kl_loss_coef", "kl_coef", "target_kl", "clip_ratio_low",
-                "clip_ratio_high", "clip_ratio_c"):
-        # YAML 1.1 reads 1e-3 (no dot) as a string
-        if isinstance(out.get(key), str):
-            try:
-                out[key] = float(out[key])
-            except ValueError:
-                pass
-    return AlgorithmConfig(**out)
+    return section(AlgorithmConfig, "algorithm", value)
 
 
 #: the algorithms ``PPOWorker`` runs today; the critic-free ones run on the thin layer
@@ -311,12 +301,7 @@ def _check_across(cfg: RLHFConfig, a: AlgorithmConfig) -> None:
             f"{samples}")
 
 
-# -- field checks (the messages of loop/config.py's, kept here so config.py can import this) --
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if not isinstance(value, str) or value not in choices:
-        raise LoopConfigError(f"{name}: {value!r}; use one of {', '.join(choices)}")
-
-
+# -- field checks (the shared ones are loop/sections.py's) --
 def _kl_type(name: str, value: Any) -> None:
     base = value[:-1] if isinstance(value, str) and value.endswith("+") else value
     if base not in KL_TYPES:
@@ -324,28 +309,3 @@ def _kl_type(name: str, value: Any) -> None:
                               "trailing '+' takes k2's gradient, as verl)")
 
 
-def _integer(name: str, value: Any, least: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        raise LoopConfigError(f"{name}: must be an integer >= {least}, got {value!r}")
-
-
-def _boolean(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise LoopConfigError(f"{name}: must be true or false, got {value!r}")
-
-
-def _number(name: str, value: Any, *, above: float | None = None, least: float | None = None,
-            below: float | None = None, why: str = "") -> None:
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
-          and math.isfinite(value) and (above is None or value > above)
-          and (least is None or value >= least) and (below is None or value < below))
-    if ok:
-        return
-    if above is not None and below is not None:
-        want = f"a number in ({above:g}, {below:g})"
-    elif above is not None:
-        want = f"a number > {above:g}"
-    else:
-        want = f"a number >= {least:g}"
-    tail = f"; {why}" if why else ""
-    raise LoopConfigError(f"{name}: must be {want}, got {value!r}{tail}")

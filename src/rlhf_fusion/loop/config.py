@@ -19,6 +19,11 @@ from ..rollout.backend_registry import backend_names
 from .algorithm_config import AlgorithmConfig, algorithm_from, check_algorithm
 from .errors import LoopConfigError
 from .reward_functions import is_function_spec, resolve_reward_spec
+from .sections import check_boolean as _boolean
+from .sections import check_choice as _choice
+from .sections import check_integer as _integer
+from .sections import check_number as _number
+from .sections import section
 
 MECHANISMS = ("kv", "tokens", "auto")
 
@@ -176,7 +181,7 @@ class RLHFConfig:
         kw: dict[str, Any] = {}
         for key, value in data.items():
             if key in sections:
-                kw[key] = _section(sections[key], key, value or {})
+                kw[key] = section(sections[key], key, value or {})
             elif key == "algorithm":   # a name or a mapping
                 kw[key] = algorithm_from(value)
             else:
@@ -448,66 +453,6 @@ def offload_names(value: Any) -> tuple[str, ...] | None:
     return tuple(m for m in FROZEN_MODELS if m in value)
 
 
-def _section(cls: type, name: str, value: Any) -> Any:
-    if not isinstance(value, Mapping):
-        raise LoopConfigError(f"{name}: expected a mapping, got {type(value).__name__}")
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise LoopConfigError(f"{name}: unknown keys {unknown}; known: {sorted(known)}")
-    return cls(**coerce_numbers(cls, value))
-
-
-def _text_hint(value: Any) -> str:
-    """The fix for a number that YAML 1.1 read as text (``1e-3``: no dot, so not a float)."""
-    if isinstance(value, str):
-        try:
-            float(value)
-        except ValueError:
-            return ""
-        return " (a string: write the number without quotes, e.g. 1.0e-3 or 0.001)"
-    return ""
-
-
-def _integer(name: str, value: Any, least: int, *, unset: bool = False) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < least:
-        tail = " (or leave it unset)" if unset else ""
-        raise LoopConfigError(f"{name}: must be an integer >= {least}{tail}, got {value!r}"
-                              f"{_text_hint(value)}")
-
-
-def _number(name: str, value: Any, *, above: float | None = None, least: float | None = None,
-            most: float | None = None, below: float | None = None, unset: bool = False,
-            why: str = "") -> None:
-    ok = (not isinstance(value, bool) and isinstance(value, (int, float))
-          and math.isfinite(value)
-          and (above is None or value > above) and (least is None or value >= least)
-          and (most is None or value <= most) and (below is None or value < below))
-    if ok:
-        return
-    if least is not None and most is not None:
-        want = f"a number in [{least:g}, {most:g}]"
-    elif above is not None and below is not None:
-        want = f"a number in ({above:g}, {below:g})"
-    elif above is not None:
-        want = f"a number > {above:g}"
-    else:
-        want = f"a number >= {least:g}"
-    tail = " (or leave it unset)" if unset else ""
-    why = f"; {why}" if why else ""
-    raise LoopConfigError(f"{name}: must be {want}{tail}, got {value!r}{_text_hint(value)}{why}")
-
-
-def _boolean(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise LoopConfigError(f"{name}: must be true or false, got {value!r}")
-
-
-def _choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise LoopConfigError(f"{name}: {value!r}; use one of {', '.join(choices)}")
-
-
 def _source(name: str, value: Any) -> None:
     if isinstance(value, Mapping):
         return   # its keys are checked with the model (models.check_sources)
@@ -530,17 +475,3 @@ def _prompts_file(value: Any) -> None:
         raise LoopConfigError(f"prompts: {p} does not exist; give a prompt file (one prompt a "
                               "line, or JSONL with a \"prompt\" field), or remove the key to use "
                               "the demo's prompts")
-
-
-def coerce_numbers(cls: type, values: Mapping[str, Any]) -> dict[str, Any]:
-    """YAML 1.1 reads ``1e-3`` (no dot) as the string ``"1e-3"``: a string that parses as a
-    number, in a field that holds floats, is that float."""
-    floats = {f.name for f in dataclasses.fields(cls) if "float" in str(f.type)}
-    out = dict(values)
-    for key, value in values.items():
-        if key in floats and isinstance(value, str) and value != "auto":
-            try:
-                out[key] = float(value)
-            except ValueError:
-                pass
-    return out
