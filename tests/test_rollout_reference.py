@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,18 +68,57 @@ _HASH_KEYS = (
 )
 
 
-def test_keyed_uniform_torch_has_the_numpy_hash_bits():
-    # keyed_sample hashes in torch int64 on the logits' device; it must be the numpy uint64
+def _splitmix64_numpy(x):
+    # An independent reference: splitmix64's finaliser in numpy uint64, where wrap-around
+    # multiplication is defined behaviour (the library runs it in torch int64).
+    golden = np.uint64(0x9E3779B97F4A7C15)
+    x = x + golden
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _keyed_uniform_numpy(seeds, sample_ids, positions, vocab):
+    def u64(vs):
+        return np.asarray([int(v) & 0xFFFFFFFFFFFFFFFF for v in vs], dtype=np.uint64)
+
+    with np.errstate(over="ignore"):
+        h = _splitmix64_numpy(u64(seeds))
+        h = _splitmix64_numpy(h ^ u64(sample_ids))
+        h = _splitmix64_numpy(h ^ u64(positions))
+        cols = np.arange(vocab, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+        z = _splitmix64_numpy(h[:, None] ^ cols[None, :])
+    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
+
+
+def test_splitmix64_gives_its_published_outputs():
+    # splitmix64 seeded with 0: its first three outputs, as published with the generator
+    # (Vigna's splitmix64.c). The state advances by the golden gamma before each mix.
+    from rlhf_fusion.rollout.sampling import _signed, _splitmix64_torch
+
+    state = torch.tensor([_signed(k * 0x9E3779B97F4A7C15) for k in range(3)], dtype=torch.int64)
+    got = [int(v) & 0xFFFFFFFFFFFFFFFF for v in _splitmix64_torch(state)]
+    assert got == [0xE220A8397B1DCDAF, 0x6E789E6AA1B965F4, 0x06C45D188009454F]
+
+
+def test_keyed_uniform_has_the_uint64_hash_bits():
+    # keyed_sample hashes in torch int64 on the logits' device; it must be the uint64
     # splitmix64 bit for bit, sign bits and high vocabulary indices included.
-    ref = keyed_uniform(*_HASH_KEYS, 151936)
-    got = keyed_uniform_torch(*_HASH_KEYS, 151936).numpy()
-    assert (got == ref).all()
+    ref = _keyed_uniform_numpy(*_HASH_KEYS, 151936)
+    assert (keyed_uniform_torch(*_HASH_KEYS, 151936).numpy() == ref).all()
+    assert (keyed_uniform(*_HASH_KEYS, 151936) == ref).all()
+    u64 = [[int(v) & 0xFFFFFFFFFFFFFFFF] for v in (-5, 2**64 + 9, 3)]
+    with np.errstate(over="ignore"):
+        h = _splitmix64_numpy(np.asarray(u64[0], dtype=np.uint64))
+        h = _splitmix64_numpy(h ^ np.asarray(u64[1], dtype=np.uint64))
+        h = _splitmix64_numpy(h ^ np.asarray(u64[2], dtype=np.uint64))
+    assert derive_seed(-5, 2**64 + 9, 3) == int(h[0] >> np.uint64(1))
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_keyed_uniform_on_cuda_has_the_numpy_hash_bits():
-    ref = keyed_uniform(*_HASH_KEYS, 151936)
+def test_keyed_uniform_on_cuda_has_the_uint64_hash_bits():
+    ref = _keyed_uniform_numpy(*_HASH_KEYS, 151936)
     got = keyed_uniform_torch(*_HASH_KEYS, 151936, device="cuda").cpu().numpy()
     assert (got == ref).all()
     logits = torch.randn(8, 151936, generator=torch.Generator().manual_seed(0))

@@ -5,12 +5,12 @@ The token drawn at response position ``p`` of sample ``i`` is ``argmax(logits/T 
 a pure function of the logits and the key: batching, the instance a sample runs on, and
 migration cannot change it (Gumbel-max is an exact sample from softmax(logits/T)).
 
-The hash is splitmix64. ``keyed_uniform`` runs it in numpy uint64 (wrap-around multiplication
-is defined behaviour there). ``keyed_sample`` runs the same hash in torch int64 on the logits'
-device, so a GPU never ships (B, V) float64 logits and noise to the host per decode step (with a
-150k vocabulary that was most of a decode step). torch's int64 multiply wraps in two's complement
-on CPU and CUDA, which is the uint64 product's bit pattern; right shifts are masked to make them
-logical. ``tests/test_rollout_reference.py`` pins the two to the same bits.
+The hash is splitmix64, run in torch int64 on the logits' device, so a GPU never ships (B, V)
+float64 logits and noise to the host per decode step (with a 150k vocabulary that was most of a
+decode step). torch's int64 multiply wraps in two's complement on CPU and CUDA, which is the
+uint64 product's bit pattern; right shifts are masked to make them logical.
+``tests/test_rollout_reference.py`` pins the bits to an independent numpy uint64 splitmix64 and to
+splitmix64's published outputs.
 """
 
 from __future__ import annotations
@@ -19,46 +19,6 @@ from collections.abc import Sequence
 
 import numpy as np
 import torch
-
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-_M1 = np.uint64(0xBF58476D1CE4E5B9)
-_M2 = np.uint64(0x94D049BB133111EB)
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    x = x + _GOLDEN
-    x = (x ^ (x >> np.uint64(30))) * _M1
-    x = (x ^ (x >> np.uint64(27))) * _M2
-    return x ^ (x >> np.uint64(31))
-
-
-def _u64(values: Sequence[int] | np.ndarray) -> np.ndarray:
-    # Negative seeds are folded into uint64 two's complement so any Python int is a valid key.
-    return np.asarray([int(v) & 0xFFFFFFFFFFFFFFFF for v in values], dtype=np.uint64)
-
-
-def keyed_uniform(
-    seeds: Sequence[int], sample_ids: Sequence[int], positions: Sequence[int], vocab_size: int
-) -> np.ndarray:
-    """Uniform (0, 1) float64 noise of shape (len(seeds), vocab_size), one row per key."""
-    with np.errstate(over="ignore"):
-        h = _splitmix64(_u64(seeds))
-        h = _splitmix64(h ^ _u64(sample_ids))
-        h = _splitmix64(h ^ _u64(positions))
-        cols = np.arange(vocab_size, dtype=np.uint64)
-        z = _splitmix64(h[:, None] ^ (cols[None, :] * _GOLDEN))
-    # 53 random bits -> a double strictly inside (0, 1), so log(-log(u)) is finite.
-    return ((z >> np.uint64(11)).astype(np.float64) + 0.5) * (1.0 / 9007199254740992.0)
-
-
-def derive_seed(seed: int, sample_id: int, position: int) -> int:
-    """A 63-bit seed for engines that only take a per-request seed (the vLLM recompute path)."""
-    with np.errstate(over="ignore"):
-        h = _splitmix64(_u64([seed]))
-        h = _splitmix64(h ^ _u64([sample_id]))
-        h = _splitmix64(h ^ _u64([position]))
-    return int(h[0] >> np.uint64(1))
-
 
 _MASK64 = (1 << 64) - 1
 
@@ -69,7 +29,8 @@ def _signed(v: int) -> int:
     return v - (1 << 64) if v >> 63 else v
 
 
-_T_GOLDEN, _T_M1, _T_M2 = (_signed(int(c)) for c in (_GOLDEN, _M1, _M2))
+_T_GOLDEN, _T_M1, _T_M2 = (_signed(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
+                                                0x94D049BB133111EB))
 
 
 def _shr(x: torch.Tensor, k: int) -> torch.Tensor:
@@ -84,20 +45,40 @@ def _splitmix64_torch(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
-def keyed_uniform_torch(
-    seeds: Sequence[int], sample_ids: Sequence[int], positions: Sequence[int], vocab_size: int,
-    device: torch.device | str = "cpu",
-) -> torch.Tensor:
-    """:func:`keyed_uniform` computed on ``device``: the same bits, float64 ``(B, vocab_size)``."""
+def _key_hash(seeds: Sequence[int], sample_ids: Sequence[int], positions: Sequence[int],
+              device: torch.device | str) -> torch.Tensor:
     def key(values: Sequence[int]) -> torch.Tensor:
+        # Any Python int is a key: it is folded into 64 bits, two's complement.
         return torch.tensor([_signed(int(v)) for v in values], dtype=torch.int64, device=device)
 
     h = _splitmix64_torch(key(seeds))
     h = _splitmix64_torch(h ^ key(sample_ids))
-    h = _splitmix64_torch(h ^ key(positions))
+    return _splitmix64_torch(h ^ key(positions))
+
+
+def keyed_uniform_torch(
+    seeds: Sequence[int], sample_ids: Sequence[int], positions: Sequence[int], vocab_size: int,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """Uniform (0, 1) float64 noise of shape ``(len(seeds), vocab_size)`` on ``device``, one
+    row per key."""
+    h = _key_hash(seeds, sample_ids, positions, device)
     cols = torch.arange(vocab_size, dtype=torch.int64, device=device) * _T_GOLDEN
     z = _splitmix64_torch(h[:, None] ^ cols[None, :])
+    # 53 random bits -> a double strictly inside (0, 1), so log(-log(u)) is finite.
     return (_shr(z, 11).to(torch.float64) + 0.5) * (1.0 / 9007199254740992.0)
+
+
+def keyed_uniform(
+    seeds: Sequence[int], sample_ids: Sequence[int], positions: Sequence[int], vocab_size: int
+) -> np.ndarray:
+    """:func:`keyed_uniform_torch` on the CPU, as a numpy array (the vLLM fakes' draws)."""
+    return keyed_uniform_torch(seeds, sample_ids, positions, vocab_size).numpy()
+
+
+def derive_seed(seed: int, sample_id: int, position: int) -> int:
+    """A 63-bit seed for engines that only take a per-request seed (the vLLM recompute path)."""
+    return int(_shr(_key_hash([seed], [sample_id], [position], "cpu"), 1)[0])
 
 
 def keyed_sample(
