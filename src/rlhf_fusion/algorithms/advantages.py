@@ -138,6 +138,9 @@ def discounted_returns(token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.
     over: their reward is ignored and the running return crosses them undiscounted, as verl's
     REINFORCE++ does.
     """
+    # A float64 reverse loop, not the blocked GAE kernel (triton_kernels/gae.py, float32 with
+    # "skip" semantics computes the same recursion): REINFORCE++ advantages are held to verl's
+    # within 1e-6 in float64, and this runs once per batch on [B, R], not per token.
     r = token_rewards.to(torch.float64)
     m = mask.to(torch.float64)
     out = torch.zeros_like(r)
