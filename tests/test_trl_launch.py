@@ -22,16 +22,19 @@ and 3 (DeepSpeed's CPU accelerator); GRPO, RLOO (``--algo rloo``) and PPO.
 ``ddp_cpu.yaml`` says ``MULTI_GPU`` with ``use_cpu``: accelerate 1.15 launches a single
 process for ``MULTI_CPU`` (the PPO tests assert 2 processes through the episode count).
 
-One launch takes 30 s on an idle 2-core machine and several minutes on a loaded one, so only
-the DDP run of the fused trainer is in the default selection; the rest of the matrix is
-``slow``. The first ZeRO launch on a machine JIT-builds DeepSpeed's CPU shared-memory
-communication op (cached under ``~/.cache/torch_extensions``; a C++ compiler is needed). FSDP
-is not in it: accelerate 1.15 turns ``distributed_type: FSDP`` into FSDP only
-from a multi-accelerator type (``AcceleratorState.__init__``, ``accelerate/state.py``: the
-promotion to ``DistributedType.FSDP`` sits under ``MULTI_GPU``/``MULTI_NPU``/..., never
-``MULTI_CPU``), so with ``use_cpu: true`` it runs plain DDP and no parameter is a DTensor.
-The FSDP2 generation copy is tested on CPU through torch's ``fully_shard`` over gloo
-(``tests/test_trl_rt_zero.py``); ``examples/accelerate/fsdp2.yaml`` is for GPUs.
+One launch takes 30 s on an idle 2-core machine and several minutes on a loaded one. The
+default selection holds the DDP runs of the fused trainers and, where deepspeed is installed
+(CI installs it for trl 1.12), four DeepSpeed cases: GRPO ``FusionConfig.off()`` against stock
+under ZeRO-2, GRPO resume under ZeRO-3, RLOO resume under ZeRO-2 and PPO's streamed rollouts
+under ZeRO-3; the rest of the matrix is ``slow``. The first ZeRO launch on a machine JIT-builds
+DeepSpeed's CPU shared-memory communication op (cached under ``~/.cache/torch_extensions``; a
+C++ compiler is needed). FSDP is not in it: accelerate 1.15 turns ``distributed_type: FSDP``
+into FSDP only from a multi-accelerator type (``AcceleratorState.__init__``,
+``accelerate/state.py``: the promotion to ``DistributedType.FSDP`` sits under
+``MULTI_GPU``/``MULTI_NPU``/..., never ``MULTI_CPU``), so with ``use_cpu: true`` it runs plain
+DDP and no parameter is a DTensor. ``tests/test_trl_fsdp2.py`` runs the fused GRPO trainer
+through accelerate's own FSDP2 preparation on the CPU instead (the shared state switched to
+FSDP); ``examples/accelerate/fsdp2.yaml`` is for GPUs.
 """
 
 from __future__ import annotations
