@@ -1,4 +1,4 @@
-"""FusedGRPOTrainer with a policy that accelerate shards with FSDP2, on the CPU (gloo, 2 ranks).
+"""FusedGRPOTrainer / FusedRLOOTrainer with a policy that accelerate shards with FSDP2, on the CPU (gloo, 2 ranks).
 
 accelerate 1.15 runs an FSDP config with ``use_cpu`` as plain DDP (no DTensor parameter): it
 promotes ``distributed_type`` to FSDP only from a multi-accelerator type. The worker
@@ -28,12 +28,14 @@ def model_dir(tmp_path_factory):
     return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-tail"), seed=1, eos_bias=1.5)
 
 
-def test_fused_grpo_on_an_fsdp2_sharded_policy(model_dir, tmp_path):
+@pytest.mark.parametrize("algo", ["grpo", pytest.param("rloo", marks=pytest.mark.slow)])
+def test_fused_grpo_on_an_fsdp2_sharded_policy(algo, model_dir, tmp_path):
+    """GRPO in the default selection; RLOO (the same seams) is ``slow``."""
     from rlhf_fusion.launch import run_ranks
     from rlhf_fusion.testing.trl import fsdp2_grpo_worker
 
     res = sorted(run_ranks(fsdp2_grpo_worker, 2, model_dir, str(tmp_path / "out"), STEPS,
-                           timeout=300), key=lambda r: r.rank)
+                           algo, timeout=300), key=lambda r: r.rank)
     for rank, r in enumerate(res):
         v = r.value
         assert v["is_fsdp2"] and v["global_step"] == STEPS, v

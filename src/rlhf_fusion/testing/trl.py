@@ -352,8 +352,9 @@ def sharded_copy_worker(rank: int, world: int, model_dir: str, kind: str) -> dic
 
 
 def fsdp2_grpo_worker(rank: int, world: int, model_dir: str, out_dir: str,
-                      steps: int) -> dict[str, Any]:
-    """One rank of a 2-process FusedGRPOTrainer (every plugin on) whose policy accelerate
+                      steps: int, algo: str = "grpo") -> dict[str, Any]:
+    """One rank of a 2-process FusedGRPOTrainer (``algo="rloo"``: FusedRLOOTrainer; every
+    plugin on) whose policy accelerate
     prepares with FSDP2 on the CPU (gloo), ``steps`` optimizer steps.
 
     accelerate 1.15 enables FSDP only from a multi-accelerator distributed type
@@ -372,25 +373,28 @@ def fsdp2_grpo_worker(rank: int, world: int, model_dir: str, out_dir: str,
 
     from accelerate.state import PartialState
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import FSDPModule
     from torch.distributed.tensor import DTensor
-    from trl import GRPOConfig
+    from trl import GRPOConfig, RLOOConfig
 
     from ..integrations.trl.fusion import FusionConfig
     from ..integrations.trl.grpo import FusedGRPOTrainer
+    from ..integrations.trl.rloo import FusedRLOOTrainer
     from ..integrations.trl.sharded import full_state_dict, sharding
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world))
-    args = GRPOConfig(output_dir=out_dir, per_device_train_batch_size=4, num_generations=4,
+    config_cls, trainer_cls = ((GRPOConfig, FusedGRPOTrainer) if algo == "grpo"
+                               else (RLOOConfig, FusedRLOOTrainer))
+    args = config_cls(output_dir=out_dir, per_device_train_batch_size=4, num_generations=4,
                       max_completion_length=12, max_steps=steps, beta=0.04, bf16=False,
                       learning_rate=1e-2, use_cpu=True, report_to=[], seed=0,
                       save_strategy="no", disable_tqdm=True, logging_steps=1)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        trainer = FusedGRPOTrainer(model=model_dir, reward_funcs=[vowel_reward], args=args,
-                                   train_dataset=tiny_prompt_dataset(None, 16),
-                                   processing_class=tiny_tokenizer(),
-                                   fusion=FusionConfig(rt="auto"))
+        trainer = trainer_cls(model=model_dir, reward_funcs=[vowel_reward], args=args,
+                              train_dataset=tiny_prompt_dataset(None, 16),
+                              processing_class=tiny_tokenizer(), fusion=FusionConfig(rt="auto"))
     state = trainer.accelerator.state
     assert state.distributed_type == DistributedType.MULTI_CPU, state.distributed_type
     layer_cls = type(trainer.model.model.layers[0]).__name__
@@ -410,6 +414,12 @@ def fsdp2_grpo_worker(rank: int, world: int, model_dir: str, out_dir: str,
     def checked(prompt_ids: list[list[int]], batch: Any) -> Any:
         results = real(prompt_ids, batch)
         policy = trainer.accelerator.unwrap_model(trainer.model)
+        # FSDP2 leaves the root's parameters (norm, embeddings) unsharded after a forward when
+        # it expects the backward next; reshard (public, the next forward gathers again) so
+        # the check sees the sharded resting state.
+        for m in policy.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
         params = list(policy.parameters())
         copy = trainer._fusion_backend.model
         full = full_state_dict(policy)  # collective: both ranks, same order
