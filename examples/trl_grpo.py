@@ -14,6 +14,7 @@ import argparse
 import hashlib
 
 from datasets import Dataset
+from transformers import TrainerCallback
 from trl import GRPOConfig, RLOOConfig
 
 from rlhf_fusion.integrations.trl import FusedGRPOTrainer as GRPOTrainer
@@ -39,6 +40,16 @@ def reward_len(prompts, completions, **kwargs):
         words = len(c.split())
         out.append(1.0 - min(abs(words - 20), 20) / 20 + (0.5 if c.strip().endswith(".") else 0.0))
     return out
+
+
+class StepCounter(TrainerCallback):
+    """The optimizer steps this launch trains (a resumed run trains only the remaining ones)."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
 
 
 def main() -> None:
@@ -79,17 +90,18 @@ def main() -> None:
         bf16=not args.cpu,
         use_cpu=args.cpu,
     )
+    counter = StepCounter()
     if args.fusion == "stock":
         import trl
 
         stock = trl.GRPOTrainer if args.algo == "grpo" else trl.RLOOTrainer
         trainer = stock(model=args.model, reward_funcs=reward_len, args=config,
-                        train_dataset=dataset)
+                        train_dataset=dataset, callbacks=[counter])
     else:
         fusion = FusionConfig() if args.fusion == "on" else FusionConfig.off()
         fused = GRPOTrainer if args.algo == "grpo" else RLOOTrainer
         trainer = fused(model=args.model, reward_funcs=reward_len, args=config,
-                        train_dataset=dataset, fusion=fusion)
+                        train_dataset=dataset, callbacks=[counter], fusion=fusion)
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     # The trained weights, gathered whole under ZeRO-3 / FSDP (a collective): a run with
     # --fusion off must print the same digest as --fusion stock.
@@ -99,8 +111,13 @@ def main() -> None:
         digest = hashlib.sha256()
         for k in sorted(state):
             digest.update(k.encode() + state[k].detach().float().cpu().numpy().tobytes())
-        print(f"done: {trainer.state.global_step} steps, reward {rewards[0]:.3f} -> "
+        print(f"done: {trainer.state.global_step} steps ({counter.steps} in this launch), "
+              f"reward {rewards[0]:.3f} -> "
               f"{rewards[-1]:.3f}, weights sha256 {digest.hexdigest()[:16]}")
+    # Tear the process group down before the interpreter exits: left to interpreter shutdown,
+    # gloo's threads occasionally abort a process after the run is done ("terminate called
+    # without an active exception", seen once in a 2-process stock RLOO run).
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

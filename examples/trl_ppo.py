@@ -120,6 +120,10 @@ def main() -> None:
         print(f"done: {len(logs)} iterations, episode {last['episode']}, objective/scores "
               f"{last['objective/scores']:.4f}, {rate}weights sha256 {digest.hexdigest()[:16]}, "
               f"saved to {args.output_dir}")
+    # Tear the process group down before the interpreter exits: left to interpreter shutdown,
+    # gloo's threads occasionally abort a process after the run is done ("terminate called
+    # without an active exception", seen once in a 2-process stock RLOO run).
+    trainer.accelerator.end_training()
 
 
 if __name__ == "__main__":

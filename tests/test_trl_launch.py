@@ -22,16 +22,19 @@ and 3 (DeepSpeed's CPU accelerator); GRPO, RLOO (``--algo rloo``) and PPO.
 ``ddp_cpu.yaml`` says ``MULTI_GPU`` with ``use_cpu``: accelerate 1.15 launches a single
 process for ``MULTI_CPU`` (the PPO tests assert 2 processes through the episode count).
 
-One launch takes 30 s on an idle 2-core machine and several minutes on a loaded one, so only
-the DDP run of the fused trainer is in the default selection; the rest of the matrix is
-``slow``. The first ZeRO launch on a machine JIT-builds DeepSpeed's CPU shared-memory
-communication op (cached under ``~/.cache/torch_extensions``; a C++ compiler is needed). FSDP
-is not in it: accelerate 1.15 turns ``distributed_type: FSDP`` into FSDP only
-from a multi-accelerator type (``AcceleratorState.__init__``, ``accelerate/state.py``: the
-promotion to ``DistributedType.FSDP`` sits under ``MULTI_GPU``/``MULTI_NPU``/..., never
-``MULTI_CPU``), so with ``use_cpu: true`` it runs plain DDP and no parameter is a DTensor.
-The FSDP2 generation copy is tested on CPU through torch's ``fully_shard`` over gloo
-(``tests/test_trl_rt_zero.py``); ``examples/accelerate/fsdp2.yaml`` is for GPUs.
+One launch takes 30 s on an idle 2-core machine and several minutes on a loaded one. The
+default selection holds the DDP runs of the fused trainers and, where deepspeed is installed
+(CI installs it for trl 1.12), four DeepSpeed cases: GRPO ``FusionConfig.off()`` against stock
+under ZeRO-2, GRPO resume under ZeRO-3, RLOO resume under ZeRO-2 and PPO's streamed rollouts
+under ZeRO-3; the rest of the matrix is ``slow``. The first ZeRO launch on a machine JIT-builds
+DeepSpeed's CPU shared-memory communication op (cached under ``~/.cache/torch_extensions``; a
+C++ compiler is needed). FSDP is not in it: accelerate 1.15 turns ``distributed_type: FSDP``
+into FSDP only from a multi-accelerator type (``AcceleratorState.__init__``,
+``accelerate/state.py``: the promotion to ``DistributedType.FSDP`` sits under
+``MULTI_GPU``/``MULTI_NPU``/..., never ``MULTI_CPU``), so with ``use_cpu: true`` it runs plain
+DDP and no parameter is a DTensor. ``tests/test_trl_fsdp2.py`` runs the fused GRPO trainer
+through accelerate's own FSDP2 preparation on the CPU instead (the shared state switched to
+FSDP); ``examples/accelerate/fsdp2.yaml`` is for GPUs.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 
@@ -59,7 +63,12 @@ def model_dir(tmp_path_factory):
     return tiny_model_dir(tmp_path_factory.mktemp("tiny-llama-tail"), seed=1, eos_bias=1.5)
 
 
-def launch(config: str, model: str, out: Path, *extra: str, steps: int = 10) -> str:
+class Launch(NamedTuple):
+    digest: str    # SHA-256 of the trained weights, gathered whole
+    trained: int   # optimizer steps this launch ran (fewer than ``steps`` when resumed)
+
+
+def launch(config: str, model: str, out: Path, *extra: str, steps: int = 10) -> Launch:
     if config.startswith("zero"):
         pytest.importorskip("deepspeed")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -74,9 +83,10 @@ def launch(config: str, model: str, out: Path, *extra: str, steps: int = 10) -> 
          "--output-dir", str(out), *extra],
         capture_output=True, text=True, timeout=900, env=env)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
-    m = re.search(rf"done: {steps} steps, .* weights sha256 (\w+)", proc.stdout)
+    m = re.search(rf"done: {steps} steps \((\d+) in this launch\), .* weights sha256 (\w+)",
+                  proc.stdout)
     assert m, proc.stdout[-2000:]
-    return m.group(1)
+    return Launch(m.group(2), int(m.group(1)))
 
 
 CONFIG_NAMES = ["ddp", "zero1", "zero2", "zero3"]
@@ -89,8 +99,8 @@ def test_grpo_launch_runs_with_rt_auto(config, model_dir, tmp_path):
            steps=10 if config != "ddp" else 4)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("config", CONFIG_NAMES)
+@pytest.mark.parametrize("config", [
+    c if c == "zero2" else pytest.param(c, marks=pytest.mark.slow) for c in CONFIG_NAMES])
 def test_grpo_launch_off_equals_stock(config, model_dir, tmp_path):
     off = launch(config, model_dir, tmp_path / "off", "--fusion", "off", steps=3)
     stock = launch(config, model_dir, tmp_path / "stock", "--fusion", "stock", steps=3)
@@ -114,20 +124,35 @@ def test_rloo_launch_off_equals_stock(config, model_dir, tmp_path):
     assert off == stock
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("algo", ["grpo", "rloo"])
-def test_launch_resume_equals_the_uninterrupted_run(algo, model_dir, tmp_path):
-    """DDP, every plugin (migration, ``rt="auto"``): 4 steps checkpointed at 2, and a second
-    launch resuming from that checkpoint, end with the same weights (SHA-256)."""
+RESUME_CASES = [(algo, config, fusion) for config in ("ddp", "zero2", "zero3")
+                for algo in ("grpo", "rloo") for fusion in ("on", "stock")]
+# In CI (deepspeed installed): ZeRO-3 GRPO (the gathered generation copy, resumed) and
+# ZeRO-2 RLOO; every other case, TRL's own resume among them, is ``slow``.
+FAST_RESUME = {("grpo", "zero3", "on"), ("rloo", "zero2", "on")}
+
+
+@pytest.mark.parametrize(("algo", "config", "fusion"), [
+    c if c in FAST_RESUME else pytest.param(*c, marks=pytest.mark.slow) for c in RESUME_CASES])
+def test_launch_resume_equals_the_uninterrupted_run(algo, config, fusion, model_dir, tmp_path):
+    """Every plugin on (migration, ``rt="auto"``; under ZeRO-3 the gathered generation copy),
+    or TRL's own trainer (``stock``, what the fused run is held to): 4 steps checkpointed at
+    2, and a second launch resuming from that checkpoint, end with the same weights (SHA-256).
+    Under DeepSpeed the checkpoint is DeepSpeed's (``global_step2/``: partitioned optimizer
+    states, loaded by its engine), and ``rlhf_fusion_state.json`` sits beside it."""
     import shutil
 
-    full = launch("ddp", model_dir, tmp_path / "full", "--algo", algo, "--save-steps", "2",
-                  steps=4)
-    shutil.copytree(tmp_path / "full" / "checkpoint-2", tmp_path / "resumed" / "checkpoint-2")
-    resumed = launch("ddp", model_dir, tmp_path / "resumed", "--algo", algo, "--save-steps",
-                     "2", "--resume", steps=4)
-    assert resumed == full
-
+    full = launch(config, model_dir, tmp_path / "full", "--algo", algo, "--fusion", fusion,
+                  "--save-steps", "2", steps=4)
+    ckpt = tmp_path / "full" / "checkpoint-2"
+    if config.startswith("zero"):
+        assert (ckpt / "global_step2").is_dir(), sorted(os.listdir(ckpt))
+    if fusion == "on":
+        assert (ckpt / "rlhf_fusion_state.json").is_file(), sorted(os.listdir(ckpt))
+    shutil.copytree(ckpt, tmp_path / "resumed" / "checkpoint-2")
+    resumed = launch(config, model_dir, tmp_path / "resumed", "--algo", algo, "--fusion",
+                     fusion, "--save-steps", "2", "--resume", steps=4)
+    assert (full.trained, resumed.trained) == (4, 2)  # the second launch did resume
+    assert resumed.digest == full.digest
 
 
 def launch_script(script: Path, config: str, *args: str, timeout: int = 900

@@ -119,3 +119,22 @@ def test_generation_copy_of_a_sharded_policy_is_whole_and_follows_the_step(model
         assert v["before"] == 0.0, v
         assert v["moved"] > 0.0, v   # the step changed the policy, and the copy followed
         assert v["after"] == 0.0, v
+
+
+def test_building_the_generation_copy_leaves_the_trainer_rng_alone(model_dir):
+    """The copy of a sharded policy is built from its config (random init, then the gathered
+    weights). The trainer's torch RNG is checkpointed, and a resumed run builds the copy at a
+    later step than the uninterrupted run, so drawing from that RNG made a resumed ZeRO-3 run
+    end with other weights (``test_trl_launch.py::test_launch_resume_...[grpo-zero3-on]``)."""
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_fusion.integrations.trl.sharded import plain_copy
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    torch.manual_seed(0)
+    expected = torch.rand(8)
+    torch.manual_seed(0)
+    clone = plain_copy(model, model.state_dict())
+    assert torch.equal(torch.rand(8), expected)
+    for k, v in model.state_dict().items():
+        assert torch.equal(clone.state_dict()[k], v), k

@@ -349,3 +349,105 @@ def sharded_copy_worker(rank: int, world: int, model_dir: str, kind: str) -> dic
     return {"sharding": sharding(net), "local_numel": sum(shards), "full_numel": full,
             "before": before, "after": after, "moved": moved,
             "copy_sharded": sharding(clone), "copy_type": type(clone).__name__}
+
+
+def fsdp2_grpo_worker(rank: int, world: int, model_dir: str, out_dir: str,
+                      steps: int, algo: str = "grpo") -> dict[str, Any]:
+    """One rank of a 2-process FusedGRPOTrainer (``algo="rloo"``: FusedRLOOTrainer; every
+    plugin on) whose policy accelerate
+    prepares with FSDP2 on the CPU (gloo), ``steps`` optimizer steps.
+
+    accelerate 1.15 enables FSDP only from a multi-accelerator distributed type
+    (``AcceleratorState.__init__``: the ``DistributedType.FSDP`` promotion sits under
+    ``MULTI_GPU``/``MULTI_NPU``/..., never ``MULTI_CPU``), so a CPU run is plain DDP whatever
+    its config says. Here the shared accelerator state is switched to FSDP with an FSDP2
+    plugin after the trainer is built and before ``train()`` prepares the model, so
+    accelerate's own ``fsdp2_prepare_model`` (``fully_shard`` per decoder layer, then the
+    root) shards the policy over the gloo group. Every rollout records: whether the policy's
+    parameters are DTensors and how much of them this rank holds; how far the generation
+    copy's weights are from the gathered full weights; how far each generated token's
+    logprob is from the sharded policy's teacher-forced one; a checksum of the copy (it must
+    change after every optimizer step); the sample ids returned."""
+    import os
+    import warnings
+
+    from accelerate.state import PartialState
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from trl import GRPOConfig, RLOOConfig
+
+    from ..integrations.trl.fusion import FusionConfig
+    from ..integrations.trl.grpo import FusedGRPOTrainer
+    from ..integrations.trl.rloo import FusedRLOOTrainer
+    from ..integrations.trl.sharded import full_state_dict, sharding
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world))
+    config_cls, trainer_cls = ((GRPOConfig, FusedGRPOTrainer) if algo == "grpo"
+                               else (RLOOConfig, FusedRLOOTrainer))
+    args = config_cls(output_dir=out_dir, per_device_train_batch_size=4, num_generations=4,
+                      max_completion_length=12, max_steps=steps, beta=0.04, bf16=False,
+                      learning_rate=1e-2, use_cpu=True, report_to=[], seed=0,
+                      save_strategy="no", disable_tqdm=True, logging_steps=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = trainer_cls(model=model_dir, reward_funcs=[vowel_reward], args=args,
+                              train_dataset=tiny_prompt_dataset(None, 16),
+                              processing_class=tiny_tokenizer(), fusion=FusionConfig(rt="auto"))
+    state = trainer.accelerator.state
+    assert state.distributed_type == DistributedType.MULTI_CPU, state.distributed_type
+    layer_cls = type(trainer.model.model.layers[0]).__name__
+    # Both shared states, as AcceleratorState.__init__ does when it promotes to FSDP: every
+    # later AcceleratorState() copies PartialState's fields over its own.
+    PartialState().distributed_type = DistributedType.FSDP
+    state.distributed_type = DistributedType.FSDP
+    state.fsdp_plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, auto_wrap_policy="transformer_based_wrap",
+        transformer_cls_names_to_wrap=[layer_cls], reshard_after_forward=True,
+        state_dict_type="FULL_STATE_DICT")
+    trainer.is_fsdp_enabled = True
+
+    records: list[dict[str, Any]] = []
+    real = trainer._fused_rollout
+
+    def checked(prompt_ids: list[list[int]], batch: Any) -> Any:
+        results = real(prompt_ids, batch)
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        # FSDP2 leaves the root's parameters (norm, embeddings) unsharded after a forward when
+        # it expects the backward next; reshard (public, the next forward gathers again) so
+        # the check sees the sharded resting state.
+        for m in policy.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
+        params = list(policy.parameters())
+        copy = trainer._fusion_backend.model
+        full = full_state_dict(policy)  # collective: both ranks, same order
+        mine = copy.state_dict()
+        copy_diff = max((mine[k].double() - v.double()).abs().max().item()
+                        for k, v in full.items())
+        lp_diff = 0.0
+        with torch.no_grad():
+            for r in results:  # one forward per sample: the same count on every rank
+                ids = torch.tensor([list(r.prompt_ids) + list(r.token_ids)])
+                logits = policy(input_ids=ids).logits[0, len(r.prompt_ids) - 1: -1].double()
+                lp = torch.log_softmax(logits, -1).gather(
+                    1, torch.tensor(r.token_ids)[:, None])[:, 0]
+                lp_diff = max(lp_diff, (lp - torch.tensor(r.logprobs)).abs().max().item())
+        records.append({
+            "dtensor": all(isinstance(p, DTensor) for p in params),
+            "policy_sharded": sharding(policy), "copy_sharded": sharding(copy),
+            "local_numel": sum(p.to_local().numel() if isinstance(p, DTensor) else p.numel()
+                               for p in params),
+            "full_numel": sum(p.numel() for p in params),  # a DTensor's is the global one
+            "copy_diff": copy_diff, "lp_diff": lp_diff,
+            "copy_sum": float(sum(v.double().sum() for v in mine.values())),
+            "ids": [r.sample_id for r in results], "prompts": len(prompt_ids),
+            "is_fsdp2": bool(trainer.accelerator.is_fsdp2),
+            "wrapped": type(trainer.model_wrapped).__name__})
+        return results
+
+    trainer._fused_rollout = checked  # type: ignore[method-assign]
+    trainer.train()
+    return {"records": records, "global_step": trainer.state.global_step,
+            "is_fsdp2": bool(trainer.accelerator.is_fsdp2)}

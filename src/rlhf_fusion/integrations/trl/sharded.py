@@ -53,16 +53,21 @@ def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
 def _without_zero3_init() -> Iterator[None]:
     """transformers builds models inside ``deepspeed.zero.Init`` (partitioned at birth) while a
     ZeRO-3 config is registered; the generation copy must be whole, so it is unregistered
-    meanwhile."""
+    meanwhile. The copy's random initialisation (overwritten by the gathered weights) draws
+    from a forked RNG: the trainer's torch RNG is checkpointed, and a resumed run builds the
+    copy at a later step than the uninterrupted one, so drawing from it would make the two
+    runs diverge (seen under ZeRO-3: resumed weights differed from the uninterrupted run's)."""
     try:
         from transformers.integrations import deepspeed as hf_ds
     except ImportError:  # pragma: no cover - transformers is a TRL dependency
-        yield
+        with torch.random.fork_rng(devices=[]):
+            yield
         return
     ref = getattr(hf_ds, "_hf_deepspeed_config_weak_ref", None)
     hf_ds._hf_deepspeed_config_weak_ref = None
     try:
-        yield
+        with torch.random.fork_rng(devices=[]):
+            yield
     finally:
         hf_ds._hf_deepspeed_config_weak_ref = ref
 

@@ -231,7 +231,7 @@ class FusedRolloutMixin:
     def _generation_backend(self) -> Any:
         """A copy of the policy in the backend, with this step's weights pushed into it."""
         t: Any = self
-        policy = t.accelerator.unwrap_model(t.model)
+        policy = self._unwrapped(t.model)
         # Under ZeRO-3 / FSDP2 the weights are gathered whole (collective, every process) and
         # the copy is built from them; refreshed this way before every rollout.
         state = full_state_dict(policy)
@@ -243,11 +243,24 @@ class FusedRolloutMixin:
         self._fusion_backend.update_weights(state)
         return self._fusion_backend
 
+    def _unwrapped(self, model: Any) -> Any:
+        """``accelerator.unwrap_model(model)``, remembered per wrapper object: accelerate's looks
+        deepspeed up in the installed packages' metadata on every call (``is_deepspeed_available``,
+        about 1 ms of CPU where deepspeed is installed), and a rollout asks three times."""
+        cache: dict[int, tuple[Any, Any]] = self.__dict__.setdefault("_fusion_unwrapped", {})
+        hit = cache.get(id(model))
+        if hit is not None and hit[0] is model:
+            return hit[1]
+        t: Any = self
+        net = t.accelerator.unwrap_model(model)
+        cache[id(model)] = (model, net)
+        return net
+
     def _sharded(self) -> bool:
         """Whether the policy is sharded (ZeRO-3 / FSDP2): each of its forwards is then a
         collective, so every process must score the same number of micro-batches, in step."""
         t: Any = self
-        return sharding(t.accelerator.unwrap_model(t.model)) is not None
+        return sharding(self._unwrapped(t.model)) is not None
 
     def _sample_specs(self, prompt_ids: Sequence[Sequence[int]], offset: int) -> list[SampleSpec]:
         t: Any = self
@@ -310,8 +323,7 @@ class FusedRolloutMixin:
         ``style`` is ``"fused_head"`` where TRL scores through its fused LM head (TRL 1.16)
         and ``"logits"`` where it takes the model's logits (TRL 1.12).
         """
-        t: Any = self
-        net = t.accelerator.unwrap_model(model)
+        net = self._unwrapped(model)
         peft = getattr(net, "active_peft_config", None)
         if peft is not None:
             if getattr(peft, "is_prompt_learning", False):
@@ -471,7 +483,7 @@ class FusedRolloutMixin:
             return None
         if t.ref_model is not None:
             return t.ref_model, contextlib.nullcontext()
-        net = t.accelerator.unwrap_model(t.model)
+        net = self._unwrapped(t.model)
         if _peft_ref_active(net) is None:
             return None  # neither a Ref model nor PEFT: TRL computes no Ref pass either
         use_adapter = getattr(stock_module(self._stock), "use_adapter", None)
@@ -493,7 +505,7 @@ class FusedRolloutMixin:
             return "ref"
         if model is not t.model:
             return None
-        ref_active = _peft_ref_active(t.accelerator.unwrap_model(model))
+        ref_active = _peft_ref_active(self._unwrapped(model))
         return "ref" if ref_active else "old"
 
     def _streamed_logps(self, model: Any, input_ids: torch.Tensor, logits_to_keep: int,
