@@ -52,6 +52,8 @@ def worker_state(worker: Any, history: list[dict[str, float]]) -> dict[str, Any]
                        "by_batch": dict(planner.by_batch),
                        "scoring": planner.scoring, "current": planner.current,
                        "history": planner.history, "prompt_len": planner.prompt_len},
+        # the KL coefficient an adaptive controller has reached (fixed: the configured one)
+        "kl_ctrl": worker.kl.state_dict(),
         "history": history,
     }
 
@@ -85,6 +87,8 @@ def load_worker_state(worker: Any, ck: dict[str, Any], where: str = "checkpoint"
     planner.current = st["current"]
     planner.history = list(st["history"])
     planner.prompt_len = st["prompt_len"]
+    if "kl_ctrl" in ck:   # (checkpoints before the controller: the configured coefficient)
+        worker.kl.load_state_dict(ck["kl_ctrl"])
     worker.iteration_index = ck["iteration"]
     return list(ck["history"])
 

@@ -91,9 +91,6 @@ def train(cfg: RLHFConfig | ResolvedRun, prompts: Sequence[str], *, out_dir: str
     by the caller, and handed to every rank)."""
     run = resolve_run(cfg)
     cfg = run.config
-    from .algorithm_config import check_runnable
-
-    check_runnable(cfg)
     if keep_checkpoints < 0:
         raise LoopConfigError("keep_checkpoints: must be >= 0 (0 keeps every checkpoint)")
     if checkpoint_every < 0:
@@ -498,7 +495,7 @@ def _jsonl(row: dict[str, float], cfg: RLHFConfig) -> dict[str, Any]:
         "iteration": row["iteration"],
         "reward_mean": row["objective/scores"],
         "kl": row["objective/kl"],
-        "samples": cfg.generation.prompts_per_iteration,
+        "samples": cfg.generation.prompts_per_iteration * cfg.algorithm.n,
         "seconds": row["time/iteration"],
         "gen_s": row["time/generation"],
         "inf_s": row["time/inference"],
