@@ -90,7 +90,7 @@ def run_grpo_demo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, iterations: 
         "kl_per_token_last": avg("objective/kl_per_token", hist[-k:]),
         "kl_coef_last": hist[-1]["objective/kl_coef"],
         # R_t's simulator, groups included, on each batch's own lengths and fitted timings
-        "simulated_speedup_median": _median_of(hist, "rollout/simulated_speedup"),
+        "simulated_speedup_median": _median_of(hist, "fusion/simulated_speedup"),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     for h in hist:
@@ -146,7 +146,7 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
                                    f"reward of iteration {first} differs ({rewards[first]} vs "
                                    f"{reference[first]}); fused and serial must sample alike")
             if not serial:
-                bound = _median_of(hist, "rollout/simulated_speedup")
+                bound = _median_of(hist, "fusion/simulated_speedup")
             times["serial" if serial else "fused"] = {
                 "rollout": sum(h["time/rollout"] for h in hist),
                 "iteration": sum(h["time/iteration"] for h in hist)}
