@@ -19,7 +19,6 @@ No Critic is built, placed, synced or checkpointed for these algorithms.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
 
 import torch
 from torch import Tensor
@@ -32,7 +31,7 @@ from . import advantages as adv
 from .algorithm_config import ResolvedAlgorithm
 from .config import RLHFConfig
 
-__all__ = ["critic_free_batch", "group_specs", "policy_loss_fn", "train_critic_free"]
+__all__ = ["critic_free_batch", "group_specs", "policy_loss_fn"]
 
 
 def group_specs(prompts: Sequence[Sequence[int]], n: int, *, iteration: int,
@@ -121,15 +120,3 @@ def _split(batch: dict[str, Tensor], parts: int) -> list[dict[str, Tensor]]:
 
 
 
-
-def train_critic_free(cfg: RLHFConfig, prompts: Sequence[str], *, keep_experiences: bool = False
-                      ) -> dict[str, Any]:
-    """:func:`rlhf_fusion.loop.run.train` without progress output, with each iteration's
-    experience as ``(sample id, tokens, reward)`` (``experiences``, rank 0's). Kept for the
-    callers of the former critic-free worker; new code calls ``train``."""
-    from .run import train
-
-    out = train(cfg, prompts, progress=False, keep_experiences=keep_experiences)
-    out["experiences"] = [[(e.sample_id, e.response_ids, e.reward) for e in exps]
-                          for exps in (out.get("experience_log") or [])]
-    return out
