@@ -424,7 +424,7 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig | ResolvedRun, prompt_ids: 
         # for the resource tracker to warn about when the rank exits.
         tqdm.set_lock(threading.RLock())
 
-        bar = tqdm(total=cfg.iterations, initial=start, desc="PPO iterations", unit="it",
+        bar = tqdm(total=cfg.iterations, initial=start, desc=f"{cfg.algorithm.name.upper()} iterations", unit="it",
                    file=sys.stderr, dynamic_ncols=True)
     timelines = []
     kept = []
