@@ -220,3 +220,37 @@ def test_rlhf_fusion_train_runs_a_grpo_config(tmp_path):
     rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["samples"] == 4 and "loss/value_avg" not in rows[0]
     assert (out / "checkpoints" / "iter_00001" / "COMPLETE").exists()
+
+
+def _plan(tmp_path, actor_train) -> str:
+    from rlhf_fusion.placement import Cluster, make_mesh
+    from rlhf_fusion.placement.layout import Layout
+    from rlhf_fusion.placement.plan import CallPlacement, ExecutionPlan
+
+    cluster = Cluster.uniform(1, 2)
+    every = make_mesh(cluster, "main", 0, 1)
+    calls = {c: CallPlacement(every, Layout(2, 1, 1)) for c in ("actor_gen", "ref_inf",
+                                                                 "reward_inf")}
+    calls["actor_train"] = CallPlacement(every, Layout(*actor_train))
+    path = tmp_path / "plan.json"
+    ExecutionPlan(calls, "test", ()).save(path, cluster)
+    return str(path)
+
+
+@pytest.mark.parametrize("actor_train, kind", [((1, 2, 1), "tensor_parallel"),
+                                               ((2, 1, 1, 3), "zero3")])
+def test_sharded_actor_only_training_equals_one_process(tmp_path, actor_train, kind):
+    """A tensor-parallel or ZeRO-3 Actor with no Critic beside it: the same samples as one
+    process and its parameters within float32 rounding (the shards' sums are ordered
+    otherwise)."""
+    from rlhf_fusion.loop.resolve import resolve_run
+
+    one = _run(config(iterations=1))
+    cfg = config(world=2, iterations=1)
+    cfg.placement.plan = _plan(tmp_path, actor_train)
+    assert resolve_run(cfg).placement.training_kinds() == (kind,)
+    got = _run(cfg)
+    assert _tokens(got) == _tokens(one)
+    state = {k: v for s in got["states"] for k, v in s.items()}
+    assert set(state) == set(one["states"][0])
+    assert max(float((state[k] - v).abs().max()) for k, v in one["states"][0].items()) < 1e-5

@@ -5,7 +5,9 @@ any of them starts (:func:`placement_of`).
 Every run has one. By default (no ``placement`` section) every call runs on every rank and the
 Actor and Critic train on the fused pipeline of ``fusion.pipeline_stages`` stages (default:
 every rank), ``world_size / pipeline_stages`` replicas of it; with one process every call is
-on rank 0 and training is one data-parallel rank. A ``placement`` section gives a FlexRLHF
+on rank 0 and training is one data-parallel rank. A critic-free algorithm has no Critic calls
+(``critic_inf``, ``critic_train``), and by default its Actor trains data parallel on every
+rank. A ``placement`` section gives a FlexRLHF
 preset or a plan file instead (:func:`resolve`); the planning side
 (:mod:`rlhf_fusion.placement`) describes placements on device meshes, and the loop's processes
 form one node of ``world_size`` devices. What the loop executes:
