@@ -1,4 +1,10 @@
-"""One PPO iteration on one rank, read top to bottom: sync, generate + score, advantages, train.
+"""One RLHF iteration on one rank, read top to bottom: sync, generate + score, advantages, train.
+
+The algorithm (``cfg.algorithm``) is PPO (an Actor and a Critic, GAE) or a critic-free one
+(GRPO, RLOO, REINFORCE++: ``n`` samples per prompt, group advantages, the clipped policy loss
+of :mod:`rlhf_fusion.algorithms`); a critic-free run has no Critic anywhere (not built, placed,
+synced, trained or checkpointed) and otherwise runs every step below alike. Its pieces are the
+pure functions of :mod:`.critic_free`.
 
 Every rank of the default process group runs :meth:`PPOWorker.iteration` with the same prompts.
 Who does what is the run's :class:`~rlhf_fusion.loop.placement.LoopPlacement`: the worker asks
@@ -25,7 +31,9 @@ created once, in one order, at construction.
    (``placement.offload``) are prefetched as generation starts, waited for by their first
    scoring call, and offloaded again once scoring ends (:mod:`rlhf_fusion.runtime.offload`).
 3. **Advantages** on every rank from the whole batch (cheap, identical everywhere): KL in the
-   reward or the loss, GAE, whitening (:mod:`.advantages`).
+   reward or the loss, GAE, whitening (:mod:`.advantages`); critic-free: group advantages fed
+   in the order the samples were scored (:func:`.critic_free.critic_free_batch`). The KL
+   coefficient is the run's controller's (fixed, or adaptive: updated after each iteration).
 4. **Training**: PPO epochs x mini-batches, each laid out as the training calls' kind: one
    fused Actor/Critic pipeline step (or the serial 1F1B order with intra-stage fusion off)
    planned once from profiled stage times and activation memory and reused; or data parallel
