@@ -222,7 +222,9 @@ def test_rlhf_fusion_train_runs_a_grpo_config(tmp_path):
     assert (out / "checkpoints" / "iter_00001" / "COMPLETE").exists()
 
 
-def _plan(tmp_path, actor_train) -> str:
+def _plan(tmp_path, actor_train, **ranks) -> str:
+    """A 2-rank plan: every call data parallel on both ranks, ``actor_train``'s strategy as
+    given, and the calls in ``ranks`` on one rank alone (``ref_inf=0``)."""
     from rlhf_fusion.placement import Cluster, make_mesh
     from rlhf_fusion.placement.layout import Layout
     from rlhf_fusion.placement.plan import CallPlacement, ExecutionPlan
@@ -232,6 +234,8 @@ def _plan(tmp_path, actor_train) -> str:
     calls = {c: CallPlacement(every, Layout(2, 1, 1)) for c in ("actor_gen", "ref_inf",
                                                                  "reward_inf")}
     calls["actor_train"] = CallPlacement(every, Layout(*actor_train))
+    for c, r in ranks.items():
+        calls[c] = CallPlacement(make_mesh(cluster, "main", 0, 1, r, 1), Layout(1, 1, 1))
     path = tmp_path / "plan.json"
     ExecutionPlan(calls, "test", ()).save(path, cluster)
     return str(path)
@@ -254,3 +258,15 @@ def test_sharded_actor_only_training_equals_one_process(tmp_path, actor_train, k
     state = {k: v for s in got["states"] for k, v in s.items()}
     assert set(state) == set(one["states"][0])
     assert max(float((state[k] - v).abs().max()) for k, v in one["states"][0].items()) < 1e-5
+
+
+def test_ref_and_reward_on_their_own_ranks_score_from_the_call_queues(tmp_path):
+    """Ref on rank 0, the reward on rank 1, generation on both: each finished sample is
+    queued to both calls and scored while generation goes on; the same samples, rewards and
+    parameters as one process."""
+    one = _run(config(iterations=1))
+    cfg = config(world=2, iterations=1)
+    cfg.placement.plan = _plan(tmp_path, (2, 1, 1), ref_inf=0, reward_inf=1)
+    got = _run(cfg)
+    assert _tokens(got) == _tokens(one)
+    assert all(torch.equal(got["states"][0][k], v) for k, v in one["states"][0].items())
