@@ -241,8 +241,9 @@ def _plan(tmp_path, actor_train, **ranks) -> str:
     return str(path)
 
 
-@pytest.mark.parametrize("actor_train, kind", [((1, 2, 1), "tensor_parallel"),
-                                               ((2, 1, 1, 3), "zero3")])
+@pytest.mark.parametrize("actor_train, kind", [
+    ((1, 2, 1), "tensor_parallel"),
+    pytest.param((2, 1, 1, 3), "zero3", marks=pytest.mark.slow)])
 def test_sharded_actor_only_training_equals_one_process(tmp_path, actor_train, kind):
     """A tensor-parallel or ZeRO-3 Actor with no Critic beside it: the same samples as one
     process and its parameters within float32 rounding (the shards' sums are ordered

@@ -482,6 +482,7 @@ fusion: {inter: true, intra: false, rt: 0.25}
 """
 
 
+@pytest.mark.slow   # about 95 s on 2 loaded cores: three processes start and train twice
 def test_grpo_on_two_torchrun_nodes_equals_the_spawned_run(tmp_path):
     """A critic-free run joins torchrun's group like PPO: the same Actor (no Critic) and
     optimizer state as the ranks `rlhf-fusion train` spawns, bit for bit."""
