@@ -104,7 +104,7 @@ def test_yaml_numbers_without_a_dot_are_floats(tmp_path):
     assert cfg.algorithm.kl_loss_coef == 0.001
 
 
-def test_an_algorithm_the_worker_cannot_run_is_refused_before_any_rank(monkeypatch):
+def test_a_layout_a_critic_free_run_cannot_train_is_refused_before_any_rank(monkeypatch):
     import rlhf_fusion.launch as launch
     from rlhf_fusion.loop import train
 
@@ -112,6 +112,7 @@ def test_an_algorithm_the_worker_cannot_run_is_refused_before_any_rank(monkeypat
         raise AssertionError("a process started")
 
     monkeypatch.setattr(launch, "run_ranks", started)
-    cfg = cfg_with({"name": "grpo", "n": 2})
-    with pytest.raises(LoopConfigError, match=r"^algorithm.name: grpo is not run by"):
+    cfg = cfg_with({"name": "grpo", "n": 2}, fusion={"pipeline_stages": 2})
+    with pytest.raises(LoopConfigError, match=r"^fusion.pipeline_stages: 2, but algorithm.name "
+                                              "grpo trains the Actor alone"):
         train(cfg, ["hello"] * 8)

@@ -1,7 +1,10 @@
-"""The critic-free layer of the loop (rlhf_fusion.loop.critic_free): the batch's group
-advantages equal the algorithms' batch functions whatever order the samples were scored in;
-micro-batch losses sum to the mini-batch's; no Critic is built; and GRPO on 2 ranks, fused and
-serial, equals one process: the same tokens and rewards, the same parameters."""
+"""Critic-free algorithms on the loop's one worker (PPOWorker, with the pure functions of
+rlhf_fusion.loop.critic_free): the batch's group advantages equal the algorithms' batch
+functions whatever order the samples were scored in; micro-batch losses sum to the
+mini-batch's; no Critic is built, placed or checkpointed; GRPO on 2 ranks, fused and serial,
+equals one process (the same tokens and rewards, the same parameters); a placement preset and
+a searched plan for Actor + Ref + reward model run; a resumed run equals an uninterrupted one;
+rlhf-fusion train and the GRPO demo run through loop/run.py."""
 
 from __future__ import annotations
 
@@ -20,14 +23,10 @@ from rlhf_fusion.loop.config import (
     PPOLoopConfig,
     RLHFConfig,
 )
-from rlhf_fusion.loop.critic_free import (
-    CriticFreeWorker,
-    _split,
-    critic_free_batch,
-    policy_loss_fn,
-    train_critic_free,
-)
+from rlhf_fusion.loop.critic_free import _split, critic_free_batch, policy_loss_fn
 from rlhf_fusion.loop.errors import LoopConfigError
+from rlhf_fusion.loop.iteration import PPOWorker
+from rlhf_fusion.loop.run import train
 from rlhf_fusion.rollout.inference import Experience
 
 
@@ -102,35 +101,76 @@ def test_micro_batch_losses_sum_to_the_mini_batchs(mode):
     assert float(whole) == pytest.approx(float(ref), rel=1e-12)
 
 
-def test_no_critic_is_built_and_ppo_or_a_placement_is_refused():
-    w = CriticFreeWorker(config())
-    assert not hasattr(w, "critic")
-    assert not any("critic" in type(m).__name__.lower() for m in w.actor.modules())
-    with pytest.raises(LoopConfigError, match="runs on PPOWorker"):
-        CriticFreeWorker(RLHFConfig(world_size=1, fusion=FusionLoopConfig.off()))
-    cfg = config()
-    cfg.placement.offload = ["ref"]
-    with pytest.raises(LoopConfigError, match="^placement: a critic-free run"):
-        train_critic_free(cfg, arithmetic_prompts())
+def test_no_critic_is_built_placed_or_trained_and_a_pipeline_is_refused():
+    w = PPOWorker(config())
+    assert w.models.critic is None and w.roles == ("actor",)
+    assert "critic_inf" not in w.placement.calls and "critic_train" not in w.placement.calls
+    assert all(k.startswith("actor.") for k in w.canonical_state())
+    assert not any("critic" in type(m).__name__.lower() for m in w.models.actor.modules())
+    cfg = config(world=2)
+    cfg.fusion.pipeline_stages = 2
+    with pytest.raises(LoopConfigError, match="^fusion.pipeline_stages: 2, but algorithm.name "
+                                              "grpo trains the Actor alone"):
+        train(cfg, arithmetic_prompts())
 
 
 def _tokens(out):
-    return [[(sid, tuple(ids), r) for sid, ids, r in it] for it in out["experiences"]]
+    return [[(e.sample_id, tuple(e.response_ids), e.reward) for e in it]
+            for it in out["experience_log"]]
+
+
+def _run(cfg, **kw):
+    return train(cfg, arithmetic_prompts(), progress=False, keep_experiences=True, **kw)
 
 
 def test_grpo_fused_equals_serial_equals_one_process():
-    prompts = arithmetic_prompts()
-    one = train_critic_free(config(), prompts, keep_experiences=True)
-    fused = train_critic_free(config(world=2, inter=True), prompts, keep_experiences=True)
-    serial = train_critic_free(config(world=2, inter=False), prompts, keep_experiences=True)
+    one = _run(config())
+    fused = _run(config(world=2, inter=True))
+    serial = _run(config(world=2, inter=False))
     assert _tokens(fused) == _tokens(serial) == _tokens(one)
-    assert fused["history"][0]["rollout/rt"] == 4 and "rollout/rt" not in one["history"][0]
+    assert fused["history"][0]["fusion/rt"] == 4 and one["history"][0]["fusion/rt"] == 0
     # the simulator's bound for the batch's own lengths and fitted timings, groups included
-    assert all(h["rollout/simulated_speedup"] > 0 for h in fused["history"])
+    assert all(h["fusion/simulated_speedup"] > 0 for h in fused["history"])
     for out in (fused, serial):
-        for state in out["states"]:
-            # one micro-batch per rank: the summed gradient is one device's, bit for bit
-            assert all(torch.equal(state[k], one["states"][0][k]) for k in state)
+        # data parallel: rank 0 saves the Actor, rank 1 holds a copy
+        assert out["states"][1] == {}
+        state = out["states"][0]
+        assert set(state) == set(one["states"][0])
+        # one micro-batch per rank: the summed gradient is one device's, bit for bit
+        assert all(torch.equal(state[k], one["states"][0][k]) for k in state)
+
+
+def test_a_searched_plan_for_actor_ref_and_reward_model_trains(tmp_path):
+    """The bar: a plan search over Actor + Ref + reward model finds a plan and the loop runs
+    it (2 ranks); the preset runs too, each giving the tokens and rewards of one process."""
+    def with_reward_model(**kw):
+        cfg = config(iterations=1, **kw)
+        cfg.models.reward = {"family": "llama", "layers": 1, "hidden": 32}
+        return cfg
+
+    one = _run(with_reward_model())
+    searched = with_reward_model(world=2)
+    searched.placement.search = 2.0
+    got = _run(searched, out_dir=tmp_path / "searched")
+    plan = (tmp_path / "searched" / "plan.json").read_text()
+    assert "critic" not in plan and "reward_inf" in plan
+    preset = with_reward_model(world=2)
+    preset.placement.preset = "disaggregated"
+    placed = _run(preset)
+    assert _tokens(got) == _tokens(placed) == _tokens(one)
+    assert got["history"][0]["objective/scores"] == one["history"][0]["objective/scores"]
+
+
+def test_a_resumed_grpo_run_equals_an_uninterrupted_one(tmp_path):
+    cfg = config(iterations=3, use_kl_loss=True, kl_ctrl="adaptive", target_kl=0.01)
+    whole = _run(cfg)
+    _run(cfg, out_dir=tmp_path, checkpoint_every=1, stop_after=2)
+    ck = torch.load(tmp_path / "checkpoints" / "iter_00002" / "rank0.pt", weights_only=False)
+    assert set(ck["models"]) == {"actor"} and "kl_ctrl" in ck
+    again = _run(cfg, out_dir=tmp_path, resume=True)
+    assert [h["objective/kl_coef"] for h in again["history"]] == \
+        [h["objective/kl_coef"] for h in whole["history"]]
+    assert all(torch.equal(again["states"][0][k], v) for k, v in whole["states"][0].items())
 
 
 def test_the_grpo_demo_runs_and_reports(tmp_path, monkeypatch, capsys):
@@ -158,7 +198,9 @@ def test_the_grpo_demo_runs_and_reports(tmp_path, monkeypatch, capsys):
     assert c["rewards_equal"] and len(c["pairs"]) == 1
 
 
-def test_rlhf_fusion_train_runs_a_grpo_config(tmp_path, capsys):
+def test_rlhf_fusion_train_runs_a_grpo_config(tmp_path):
+    import json
+
     import yaml
 
     from rlhf_fusion import cli
@@ -174,8 +216,58 @@ def test_rlhf_fusion_train_runs_a_grpo_config(tmp_path, capsys):
     path = tmp_path / "grpo.yaml"
     path.write_text(yaml.safe_dump(data))
     out = tmp_path / "out"
-    assert cli.main(["train", str(path), "--out", str(out), "--checkpoint-every", "0"]) == 0
-    assert "iteration 0: reward" in capsys.readouterr().out
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
-    assert cli.main(["train", str(path), "--out", str(tmp_path / "o2"), "--resume"]) == 2
-    assert "--resume: algorithm.name grpo runs without checkpoints" in capsys.readouterr().err
+    assert cli.main(["train", str(path), "--out", str(out), "--checkpoint-every", "1"]) == 0
+    rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 1 and rows[0]["samples"] == 4 and "loss/value_avg" not in rows[0]
+    assert (out / "checkpoints" / "iter_00001" / "COMPLETE").exists()
+
+
+def _plan(tmp_path, actor_train, **ranks) -> str:
+    """A 2-rank plan: every call data parallel on both ranks, ``actor_train``'s strategy as
+    given, and the calls in ``ranks`` on one rank alone (``ref_inf=0``)."""
+    from rlhf_fusion.placement import Cluster, make_mesh
+    from rlhf_fusion.placement.layout import Layout
+    from rlhf_fusion.placement.plan import CallPlacement, ExecutionPlan
+
+    cluster = Cluster.uniform(1, 2)
+    every = make_mesh(cluster, "main", 0, 1)
+    calls = {c: CallPlacement(every, Layout(2, 1, 1)) for c in ("actor_gen", "ref_inf",
+                                                                 "reward_inf")}
+    calls["actor_train"] = CallPlacement(every, Layout(*actor_train))
+    for c, r in ranks.items():
+        calls[c] = CallPlacement(make_mesh(cluster, "main", 0, 1, r, 1), Layout(1, 1, 1))
+    path = tmp_path / "plan.json"
+    ExecutionPlan(calls, "test", ()).save(path, cluster)
+    return str(path)
+
+
+@pytest.mark.parametrize("actor_train, kind", [
+    ((1, 2, 1), "tensor_parallel"),
+    pytest.param((2, 1, 1, 3), "zero3", marks=pytest.mark.slow)])
+def test_sharded_actor_only_training_equals_one_process(tmp_path, actor_train, kind):
+    """A tensor-parallel or ZeRO-3 Actor with no Critic beside it: the same samples as one
+    process and its parameters within float32 rounding (the shards' sums are ordered
+    otherwise)."""
+    from rlhf_fusion.loop.resolve import resolve_run
+
+    one = _run(config(iterations=1))
+    cfg = config(world=2, iterations=1)
+    cfg.placement.plan = _plan(tmp_path, actor_train)
+    assert resolve_run(cfg).placement.training_kinds() == (kind,)
+    got = _run(cfg)
+    assert _tokens(got) == _tokens(one)
+    state = {k: v for s in got["states"] for k, v in s.items()}
+    assert set(state) == set(one["states"][0])
+    assert max(float((state[k] - v).abs().max()) for k, v in one["states"][0].items()) < 1e-5
+
+
+def test_ref_and_reward_on_their_own_ranks_score_from_the_call_queues(tmp_path):
+    """Ref on rank 0, the reward on rank 1, generation on both: each finished sample is
+    queued to both calls and scored while generation goes on; the same samples, rewards and
+    parameters as one process."""
+    one = _run(config(iterations=1))
+    cfg = config(world=2, iterations=1)
+    cfg.placement.plan = _plan(tmp_path, (2, 1, 1), ref_inf=0, reward_inf=1)
+    got = _run(cfg)
+    assert _tokens(got) == _tokens(one)
+    assert all(torch.equal(got["states"][0][k], v) for k, v in one["states"][0].items())

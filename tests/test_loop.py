@@ -327,3 +327,25 @@ def test_vllm_generation_backend_in_the_loop(tmp_path, monkeypatch):
         bad.models = ModelsConfig(actor=str(model))
         bad.generation.backend = "vllm"
         resolve_run(bad)
+
+
+@pytest.mark.parametrize("kl_mode", ["reward", "loss"])
+def test_ppo_adapts_its_kl_coefficient_with_the_controller_grpo_uses(kl_mode):
+    """algorithm.kl_ctrl: adaptive under ppo: each iteration's coefficient is the controller's
+    update on the previous one's KL per token (Ziegler et al.'s rule, clipped at 20% per
+    horizon), and it is the one the penalty used (in the reward: objective/non_score_reward)."""
+    from rlhf_fusion.algorithms import AdaptiveKLController
+    from rlhf_fusion.loop.algorithm_config import AlgorithmConfig
+
+    cfg = tiny(1, inter=False, intra=False, algorithm=AlgorithmConfig(
+        name="ppo", kl_ctrl="adaptive", target_kl=0.01, kl_horizon=16))
+    cfg.ppo.kl_mode = kl_mode
+    hist = run(cfg)["history"]
+    want = AdaptiveKLController(0.05, 0.01, 16)
+    for h in hist:
+        assert h["objective/kl_coef"] == want.value
+        if kl_mode == "reward":
+            assert h["objective/non_score_reward"] == pytest.approx(
+                -want.value * h["objective/kl"], rel=1e-12)
+        want.update(h["objective/kl_per_token"], 16)
+    assert hist[-1]["objective/kl_coef"] != 0.05

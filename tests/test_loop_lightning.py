@@ -160,3 +160,22 @@ def test_sigterm_on_one_device_checkpoints_the_step_and_resumes_exactly(tmp_path
     resumed = RLHFModule(cfg)
     trainer("run").fit(resumed, PromptLoader(prompts, 16), ckpt_path="hpc")
     assert max_diff(resumed.trained_state(), whole.trained_state()) == 0.0
+
+
+def test_grpo_through_lightning_on_one_and_two_devices_equals_the_loop(tmp_path):
+    """algorithm: grpo in RLHFModule: no Critic in the checkpoint, and the parameters of the
+    loop's one-process run (one device, and 2 data-parallel ranks under the strategy)."""
+    from test_critic_free import config
+
+    from rlhf_fusion.loop import train
+    from rlhf_fusion.loop.arithmetic import arithmetic_prompts
+
+    prompts = arithmetic_prompts()
+    ref = merged(train(config(), prompts, progress=False))
+    data = DataLoader(prompts[:8], batch_size=4, shuffle=False, drop_last=True)
+    one, _ = fit(tmp_path, "one", config(), devices=1, epochs=1, data=data)
+    two, _ = fit(tmp_path, "two", config(world=2, inter=True), devices=2, epochs=1, data=data)
+    for path in (one, two):
+        got = ckpt_state(path)
+        assert set(got) == set(ref) and all(k.startswith("actor.") for k in got)
+        assert all(torch.equal(got[k], ref[k]) for k in ref)

@@ -469,3 +469,42 @@ def test_a_group_of_another_size_than_the_config_is_refused_before_joining(tmp_p
     with pytest.raises(LoopConfigError, match="SLURM_PROCID='x' is not an integer; start one "
                                               "process per task with srun"):
         train(cfg, demo_prompts(), out_dir=tmp_path / "out", progress=False)
+
+
+GRPO_YAML = """world_size: 2
+iterations: 2
+algorithm: {name: grpo, n: 4, use_kl_loss: true, kl_ctrl: adaptive, target_kl: 0.01}
+models: {actor: {family: llama, layers: 2, hidden: 32}, tokenizer: arithmetic,
+         reward: arithmetic, seed: 3}
+generation: {prompts_per_iteration: 4, max_new_tokens: 12, seed: 5}
+ppo: {micro_batches: 2, num_mini_batches: 2, num_ppo_epochs: 1, learning_rate: 3.0e-3}
+fusion: {inter: true, intra: false, rt: 0.25}
+"""
+
+
+@pytest.mark.slow   # about 95 s on 2 loaded cores: three processes start and train twice
+def test_grpo_on_two_torchrun_nodes_equals_the_spawned_run(tmp_path):
+    """A critic-free run joins torchrun's group like PPO: the same Actor (no Critic) and
+    optimizer state as the ranks `rlhf-fusion train` spawns, bit for bit."""
+    config = tmp_path / "grpo.yaml"
+    config.write_text(GRPO_YAML)
+    spawned = subprocess.Popen([sys.executable, "-m", "rlhf_fusion.cli", "train", str(config),
+                                "--out", str(tmp_path / "spawned"), "--checkpoint-every", "2"],
+                               env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                               text=True, start_new_session=True)
+    (err,) = _finish([spawned], 300)
+    assert spawned.returncode == 0, err[-3000:]
+    port = free_port()
+    outs = (tmp_path / "out", tmp_path / "node1" / "out")
+    procs = [subprocess.Popen(
+        [*TORCHRUN, "--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(r),
+         "--rdzv-endpoint", f"127.0.0.1:{port}", "-m", "rlhf_fusion.cli", "train", str(config),
+         "--out", str(outs[r]), "--checkpoint-every", "2"],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True) for r in range(2)]
+    errs = _finish(procs, 300)
+    assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for e in errs]
+    got, want = _params(outs[0], 2), _params(tmp_path / "spawned", 2)
+    assert not any(".critic." in k for k in got)
+    assert all(torch.equal(got[k], want[k]) for k in want) and got.keys() == want.keys()
+    assert "GRPO iterations" in errs[0]

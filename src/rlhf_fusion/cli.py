@@ -172,13 +172,6 @@ def cmd_train(args: argparse.Namespace) -> int:
         return 128 + exc.signum
 
     def run() -> None:
-        if cfg.algorithm.critic_free:   # the thin critic-free layer (loop/critic_free.py)
-            from .loop.critic_free import train_critic_free_to
-
-            train_critic_free_to(cfg, prompts, args.out, overwrite=args.overwrite,
-                                 checkpoint_every=args.checkpoint_every,
-                                 resume=args.resume is not None, joined=group is not None)
-            return
         try:
             out = train(resolved, prompts, out_dir=args.out, checkpoint_every=args.checkpoint_every,
                         resume=args.resume is not None, overwrite=args.overwrite,

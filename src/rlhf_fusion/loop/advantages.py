@@ -109,3 +109,11 @@ def rollout_metrics(rb: ResponseBatch, *, kl_coef: float, estimator: str) -> dic
         "response_length/p99": float(q[2]),
         "response_length/max": float(lengths.max()),
     }
+
+
+def kl_per_token(rb: ResponseBatch, estimator: str) -> float:
+    """The KL per token, averaged over each response, then over the batch (verl's
+    ``apply_kl_penalty``): what the adaptive KL controller steers towards ``target_kl``."""
+    m = rb.mask.to(torch.float64)
+    kl = kl_estimate(rb.logprobs, rb.ref_logprobs, estimator) * m  # type: ignore[arg-type]
+    return float((kl.sum(1) / m.sum(1).clamp(min=1)).mean())

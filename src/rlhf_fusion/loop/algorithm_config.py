@@ -36,7 +36,6 @@ __all__ = [
     "ResolvedAlgorithm",
     "algorithm_from",
     "check_algorithm",
-    "check_runnable",
     "samples_per_iteration",
 ]
 
@@ -168,24 +167,6 @@ def algorithm_from(value: Any) -> AlgorithmConfig:
         raise LoopConfigError(f"algorithm: expected a name ({', '.join(ALGORITHMS)}) or a "
                               f"mapping with name:, got {type(value).__name__}")
     return section(AlgorithmConfig, "algorithm", value)
-
-
-#: the algorithms ``PPOWorker`` runs today; the critic-free ones run on the thin layer
-#: :mod:`rlhf_fusion.loop.critic_free` until the worker's training-engine refactor takes them.
-LOOP_RUNS: frozenset[str] = frozenset({"ppo"})
-
-
-def check_runnable(cfg: RLHFConfig) -> None:
-    """Refuse, before any rank starts, an algorithm the loop's worker cannot run yet (it would
-    otherwise train PPO with a Critic under a grpo config)."""
-    name = cfg.algorithm.name
-    if name not in LOOP_RUNS:
-        raise LoopConfigError(
-            f"algorithm.name: {name} is not run by rlhf-fusion train / RLHFModule yet (only "
-            f"{', '.join(sorted(LOOP_RUNS))}); run it with "
-            "rlhf_fusion.loop.critic_free.train_critic_free(cfg, prompts) (as rlhf-fusion "
-            "train CONFIG does; data parallel, "
-            "inter-stage fusion, no placement), or use algorithm.name: ppo")
 
 
 def samples_per_iteration(cfg: RLHFConfig) -> int:

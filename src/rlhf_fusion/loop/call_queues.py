@@ -56,7 +56,9 @@ class CallQueues:
     """One c10d-store queue per inference call for one iteration, and a count of the
     generation ranks that are done."""
 
-    def __init__(self, iteration: int, timeout_s: float) -> None:
+    def __init__(self, iteration: int, timeout_s: float,
+                 calls: Sequence[str] = INFERENCE_CALLS) -> None:
+        self.calls = tuple(calls)   # the run's inference calls (no critic_inf: no Critic)
         self.store = dist.distributed_c10d._get_default_store()
         self.prefix = f"rlhf_fusion/placed/{iteration}/"
         self.timeout_s = timeout_s
@@ -68,7 +70,7 @@ class CallQueues:
     def push(self, samples: Sequence[Any]) -> None:
         for x in samples:
             blob = pickle.dumps(x)
-            for call in INFERENCE_CALLS:
+            for call in self.calls:
                 self.store.queue_push(self.key(call), blob)
 
     def pop(self, call: str, most: int) -> list[Any]:
@@ -98,7 +100,7 @@ class CallQueues:
                 "(fusion.timeout_s) and generation not done; a generation rank died or hung")
 
     def clear(self) -> None:
-        for name in (*INFERENCE_CALLS, "generation_done"):
+        for name in (*self.calls, "generation_done"):
             try:
                 self.store.delete_key(self.key(name))
             except Exception:

@@ -40,6 +40,7 @@ from .errors import LoopConfigError
 def worker_state(worker: Any, history: list[dict[str, float]]) -> dict[str, Any]:
     """This rank's share of the run (see the module docstring), as one picklable dict."""
     planner = worker.rt_planner
+    kl = getattr(worker, "kl", None)   # (a stand-in worker may have no KL controller)
     return {
         "iteration": worker.iteration_index,
         "world_size": worker.world,
@@ -52,6 +53,8 @@ def worker_state(worker: Any, history: list[dict[str, float]]) -> dict[str, Any]
                        "by_batch": dict(planner.by_batch),
                        "scoring": planner.scoring, "current": planner.current,
                        "history": planner.history, "prompt_len": planner.prompt_len},
+        # the KL coefficient an adaptive controller has reached (fixed: the configured one)
+        "kl_ctrl": kl.state_dict() if kl is not None else None,
         "history": history,
     }
 
@@ -85,6 +88,8 @@ def load_worker_state(worker: Any, ck: dict[str, Any], where: str = "checkpoint"
     planner.current = st["current"]
     planner.history = list(st["history"])
     planner.prompt_len = st["prompt_len"]
+    if ck.get("kl_ctrl") is not None:   # (older checkpoints: the configured coefficient)
+        worker.kl.load_state_dict(ck["kl_ctrl"])
     worker.iteration_index = ck["iteration"]
     return list(ck["history"])
 

@@ -413,8 +413,10 @@ class RLHFConfig:
         return self.fusion.pipeline_stages or self.world_size
 
     def rt_samples(self, auto: int | None) -> int | None:
-        """R_t in samples: the fixed value, or ``auto`` (the planner's) when ``rt="auto"``."""
-        rt, batch = self.fusion.rt, self.generation.prompts_per_iteration
+        """R_t in samples: the fixed value, or ``auto`` (the planner's) when ``rt="auto"``.
+        A fraction is of the iteration's samples (prompts x ``algorithm.n``)."""
+        rt = self.fusion.rt
+        batch = self.generation.prompts_per_iteration * self.algorithm.n
         if rt == "auto":
             return auto
         if isinstance(rt, str):

@@ -54,7 +54,6 @@ def correct_share(history_row: dict[str, Any], exps: list[tuple[int, Any, float]
 
 def run_grpo_demo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, iterations: int = 40,
                   serial: bool = False) -> dict[str, Any]:
-    from .critic_free import train_critic_free
     from .plot import reward_png
 
     out = Path(out_dir)
@@ -66,7 +65,7 @@ def run_grpo_demo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, iterations: 
           f"{cfg.world_size} CPU processes, {g.prompts_per_iteration} prompts x {a.n} samples "
           f"per iteration, {mode}")
     prompts = arithmetic_prompts()
-    res = train_critic_free(cfg, prompts, keep_experiences=True)
+    res = _train(cfg, prompts, keep_experiences=True)
     hist = res["history"]
     for h, exps in zip(hist, res["experiences"], strict=True):
         h["objective/correct"] = correct_share(h, exps, prompts, g.prompts_per_iteration, a.n)
@@ -90,7 +89,7 @@ def run_grpo_demo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, iterations: 
         "kl_per_token_last": avg("objective/kl_per_token", hist[-k:]),
         "kl_coef_last": hist[-1]["objective/kl_coef"],
         # R_t's simulator, groups included, on each batch's own lengths and fitted timings
-        "simulated_speedup_median": _median_of(hist, "rollout/simulated_speedup"),
+        "simulated_speedup_median": _median_of(hist, "fusion/simulated_speedup"),
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     for h in hist:
@@ -110,6 +109,18 @@ def run_grpo_demo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, iterations: 
     return summary
 
 
+def _train(cfg: RLHFConfig, prompts: list[str], *, keep_experiences: bool = False
+           ) -> dict[str, Any]:
+    """The loop's :func:`~rlhf_fusion.loop.run.train` (no progress bar), with each iteration's
+    experience as ``(sample id, tokens, reward)`` under ``experiences``."""
+    from .run import train
+
+    out = train(cfg, prompts, progress=False, keep_experiences=keep_experiences)
+    out["experiences"] = [[(e.sample_id, e.response_ids, e.reward) for e in exps]
+                          for exps in (out.get("experience_log") or [])]
+    return out
+
+
 def _median_of(rows: list[dict[str, Any]], key: str) -> float | None:
     vals = [r[key] for r in rows if key in r]
     return statistics.median(vals) if vals else None
@@ -123,7 +134,6 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
     ratio of the rollout (generation + scoring, the stage inter-stage fusion changes) and of
     the whole iteration. Raises :class:`~.compare.CompareError` when rewards differ."""
     from .compare import CompareError
-    from .critic_free import train_critic_free
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -133,8 +143,7 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
     for pair in range(pairs):
         times: dict[str, dict[str, float]] = {}
         for serial in ((False, True) if pair % 2 == 0 else (True, False)):
-            res = train_critic_free(grpo_demo_config(iterations=iterations, serial=serial),
-                                    prompts)
+            res = _train(grpo_demo_config(iterations=iterations, serial=serial), prompts)
             hist = res["history"]
             rewards = [h["objective/scores"] for h in hist]
             if reference is None:
@@ -146,7 +155,7 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
                                    f"reward of iteration {first} differs ({rewards[first]} vs "
                                    f"{reference[first]}); fused and serial must sample alike")
             if not serial:
-                bound = _median_of(hist, "rollout/simulated_speedup")
+                bound = _median_of(hist, "fusion/simulated_speedup")
             times["serial" if serial else "fused"] = {
                 "rollout": sum(h["time/rollout"] for h in hist),
                 "iteration": sum(h["time/iteration"] for h in hist)}

@@ -1,4 +1,10 @@
-"""One PPO iteration on one rank, read top to bottom: sync, generate + score, advantages, train.
+"""One RLHF iteration on one rank, read top to bottom: sync, generate + score, advantages, train.
+
+The algorithm (``cfg.algorithm``) is PPO (an Actor and a Critic, GAE) or a critic-free one
+(GRPO, RLOO, REINFORCE++: ``n`` samples per prompt, group advantages, the clipped policy loss
+of :mod:`rlhf_fusion.algorithms`); a critic-free run has no Critic anywhere (not built, placed,
+synced, trained or checkpointed) and otherwise runs every step below alike. Its pieces are the
+pure functions of :mod:`.critic_free`.
 
 Every rank of the default process group runs :meth:`PPOWorker.iteration` with the same prompts.
 Who does what is the run's :class:`~rlhf_fusion.loop.placement.LoopPlacement`: the worker asks
@@ -25,7 +31,9 @@ created once, in one order, at construction.
    (``placement.offload``) are prefetched as generation starts, waited for by their first
    scoring call, and offloaded again once scoring ends (:mod:`rlhf_fusion.runtime.offload`).
 3. **Advantages** on every rank from the whole batch (cheap, identical everywhere): KL in the
-   reward or the loss, GAE, whitening (:mod:`.advantages`).
+   reward or the loss, GAE, whitening (:mod:`.advantages`); critic-free: group advantages fed
+   in the order the samples were scored (:func:`.critic_free.critic_free_batch`). The KL
+   coefficient is the run's controller's (fixed, or adaptive: updated after each iteration).
 4. **Training**: PPO epochs x mini-batches, each laid out as the training calls' kind: one
    fused Actor/Critic pipeline step (or the serial 1F1B order with intra-stage fusion off)
    planned once from profiled stage times and activation memory and reused; or data parallel
@@ -46,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..algorithms import kl_controller
 from ..errors import RLHFFusionError
 from ..launch import note_stage
 from ..rollout.backend_registry import BackendRequest, make_backend
@@ -60,8 +69,10 @@ from ..runtime.ppo import PPOConfig
 from ..runtime.training_engine import ENGINES, EngineSpec, TrainingEngine, engine_for
 from ..runtime.weight_sync import full_state
 from . import advantages as adv
+from .algorithm_config import samples_per_iteration
 from .call_queues import CallQueues, NoGeneration, Publishing
 from .config import RLHFConfig
+from .critic_free import critic_free_batch, group_specs, policy_loss_fn
 from .errors import LoopConfigError, LoopLaunchError
 from .models import Models, build_models
 from .placement import (
@@ -128,8 +139,12 @@ class PPOWorker:
             raise LoopConfigError(f"world_size: the config says {cfg.world_size}, the process "
                                   f"group has {self.world} ranks")
         self.placement = self._placement(placement if placement is not None else run.placement)
+        # The algorithm decides the models, the samples, the advantages, the loss and the KL
+        # coefficient; a critic-free one (GRPO, RLOO, REINFORCE++) has no Critic anywhere.
+        self.algo = cfg.algorithm.resolved(cfg.ppo)
+        self.critic_free = cfg.algorithm.critic_free
         # The trained roles, as data: each one a training call of the placement.
-        self.roles: tuple[str, ...] = tuple(ROLES)
+        self.roles: tuple[str, ...] = ("actor",) if self.critic_free else tuple(ROLES)
         # Every rank creates every group, in the same order (new_group is collective): the
         # calls' rank sets, and the tensor-parallel and data-parallel groups inside sharded
         # training calls.
@@ -139,8 +154,18 @@ class PPOWorker:
             lay = self.placement.layout(TRAIN_CALL[role])
             sets |= set(ENGINES[lay.kind].groups(lay)) - {every}
         self.groups = {ranks: dist.new_group(list(ranks)) for ranks in sorted(sets)}
-        self.models = models if models is not None else build_models(cfg.models)
+        self.models = (models if models is not None
+                       else build_models(cfg.models, critic=not self.critic_free))
+        if self.critic_free:
+            self.models.critic = None
         self.tokenizer = self.models.tokenizer
+        a = self.algo
+        # The coefficient of whichever KL term is on (in the reward, else in the loss), fixed
+        # or adapted towards algorithm.target_kl after each iteration (the same for PPO).
+        self.kl = kl_controller(a.kl_coef if a.kl_in_reward else a.kl_loss_coef,
+                                adaptive=a.adaptive_kl, target=a.target_kl,
+                                horizon=a.kl_horizon)
+        self._finish_order: list[int] = []
         self._scoring: list[tuple[int, float]] = []
         self._scoring_cpu: list[float] = []
         self._train_events: list[tuple[str, float, float]] = []
@@ -192,19 +217,30 @@ class PPOWorker:
         if self.placement.streamed_inference:
             self.inference: InferenceModels | None = InferenceModels(
                 models["ref_inf"], models["reward_inf"], models["critic_inf"], micro_batch=4,
-                device=self.device, pad_id=pad)
+                device=self.device, pad_id=pad, values=not self.critic_free)
             if generates:
-                self.inference.score = timed_scoring(self.inference.score, self._scoring,
-                                                     self._scoring_cpu)
+                self.inference.score = self._recording(timed_scoring(
+                    self.inference.score, self._scoring, self._scoring_cpu))
         else:
             self.inference = None
             # One scorer per call this rank serves, holding that call's model only.
             self.scorers = {c: InferenceModels(*(models[k] if k == c else None
                                                  for k in INFERENCE_CALLS),
-                                               micro_batch=4, device=self.device, pad_id=pad)
+                                               micro_batch=4, device=self.device, pad_id=pad,
+                                               values=not self.critic_free)
                             for c in INFERENCE_CALLS if held[c]}
         if not held["ref_inf"]:
             m.ref = None
+
+    def _recording(self, score: Any) -> Any:
+        """``score`` that also notes the sample ids in the order they were scored (the group
+        tracker takes them so: a group's advantages once its last sample is scored)."""
+        def run(samples: Sequence[Any]) -> list[Experience]:
+            out = score(samples)
+            self._finish_order.extend(s.sample_id for s in samples)
+            return out
+
+        return run
 
     def _setup_offload(self) -> None:
         """The frozen models this rank scores with that live in host memory between their
@@ -232,7 +268,8 @@ class PPOWorker:
             rank=self.rank, world=self.world, ppo=self.ppo, make_optimizers=self._optimizers,
             groups=self.groups, device=self.device, distributed=self.distributed,
             replicas=lp.replicas, stage_groups=lp.stage_groups, intra=f.intra,
-            solver=f.solver, solver_time_limit=f.solver_time_limit, timeout_s=f.timeout_s)
+            solver=f.solver, solver_time_limit=f.solver_time_limit, timeout_s=f.timeout_s,
+            loss_fns={"actor": self._policy_loss} if self.critic_free else None)
         assert s.micro_batches == self.ppo.micro_batches
         return engine_for(layouts)(spec)
 
@@ -259,7 +296,7 @@ class PPOWorker:
 
     def _rt_planner(self) -> RtPlanner:
         g, gen = self.cfg.generation, self.placement.generators
-        return RtPlanner(g.prompts_per_iteration, len(gen), bs_max=g.bs_max,
+        return RtPlanner(samples_per_iteration(self.cfg), len(gen), bs_max=g.bs_max,
                          kv_capacity_tokens=g.kv_capacity_tokens,
                          fixed=self.cfg.rt_samples(None), src=gen[0])
 
@@ -293,13 +330,9 @@ class PPOWorker:
                                                         tok.decode(response_ids)))
 
     def specs(self, prompts: Sequence[Sequence[int]], iteration: int) -> list[SampleSpec]:
-        g = self.cfg.generation
-        # A new sampling key per iteration; within one, a sample's tokens depend only on it.
-        seed = g.seed * 1_000_003 + iteration
-        return [SampleSpec(sample_id=i, prompt_ids=tuple(p), max_new_tokens=g.max_new_tokens,
-                           seed=seed, temperature=g.temperature,
-                           stop_token_ids=(int(self.tokenizer.eos_token_id),))
-                for i, p in enumerate(prompts)]
+        """``algorithm.n`` samples per prompt (PPO: one), each with its own sampling stream."""
+        return group_specs(prompts, self.algo.n, iteration=iteration, cfg=self.cfg,
+                           eos=int(self.tokenizer.eos_token_id))
 
     # -- 1. weight sync --------------------------------------------------------------------------
     def sync_weights(self) -> dict[str, float]:
@@ -379,7 +412,7 @@ class PPOWorker:
         # Inference elsewhere: every finished sample goes to one queue per inference call as
         # it finishes, and the calls' ranks score it while generation goes on.
         stream = None if self.placement.streamed_inference else CallQueues(
-            self.iteration_index, f.timeout_s)
+            self.iteration_index, f.timeout_s, self.placement.inference_calls)
         out_box: list[Any] = [None]
         if self.placement.generates(self.rank):
             from ..rollout import RolloutConfig, run_rollout
@@ -427,6 +460,8 @@ class PPOWorker:
                     self._scoring.append((sum(len(x.prompt_ids) + len(x.token_ids)
                                               for x in batch), time.perf_counter() - t))
                     mine[call].extend((x.sample_id, q) for x, q in zip(batch, parts))
+                    if call == "reward_inf":
+                        self._finish_order.extend(x.sample_id for x in batch)
             if busy:
                 idle = 0.001
                 stream.progressed()
@@ -453,18 +488,51 @@ class PPOWorker:
                     by_id[sid].append(part)
             if span is not None:
                 scorers.append({"rank": rank, "first_score_s": span[0], "last_score_s": span[1]})
-        return [merge_parts(s, by_id[s.sample_id]) for s in results], scorers
+        return [merge_parts(s, by_id[s.sample_id], values=not self.critic_free)
+                for s in results], scorers
 
     # -- 3. advantages ---------------------------------------------------------------------------
     def batch(self, exps: list[Experience]) -> tuple[dict[str, Tensor], dict[str, float]]:
+        """The training batch and its metrics, with the KL coefficient now in effect:
+        group advantages (fed in the order the samples were scored) for a critic-free
+        algorithm, GAE from the Critic's values for PPO."""
+        pad = int(self.tokenizer.pad_token_id or 0)
+        if self.critic_free:
+            ids = {e.sample_id for e in exps}
+            order = [sid for sid in self._finish_order if sid in ids]
+            if sorted(order) != sorted(ids):
+                order = None   # other ranks scored some: any order gives the same advantages
+            return critic_free_batch(exps, self.algo, kl_coef=self.kl.value, pad_id=pad,
+                                     order=order)
         p = self.cfg.ppo
+        coef = self.kl.value if p.kl_mode == "reward" else 0.0
+        if p.kl_mode == "loss":
+            self.ppo.kl_coef = self.kl.value   # the engine's actor loss reads it
         rb = adv.response_batch(exps)
-        rewards = adv.token_rewards(rb, kl_coef=p.kl_coef, kl_mode=p.kl_mode,
+        rewards = adv.token_rewards(rb, kl_coef=coef, kl_mode=p.kl_mode,
                                     estimator=p.kl_estimator)
         a, r = adv.advantages_and_returns(rb, rewards, gamma=p.gamma, lam=p.lam,
                                           whiten_advantages=p.whiten_advantages)
-        batch = adv.training_batch(exps, a, r, rb, pad_id=self.tokenizer.pad_token_id)
-        return batch, adv.rollout_metrics(rb, kl_coef=p.kl_coef, estimator=p.kl_estimator)
+        batch = adv.training_batch(exps, a, r, rb, pad_id=pad)
+        metrics = adv.rollout_metrics(rb, kl_coef=coef, estimator=p.kl_estimator)
+        metrics["objective/kl_per_token"] = adv.kl_per_token(rb, p.kl_estimator)
+        metrics["objective/kl_coef"] = float(self.kl.value)
+        return batch, metrics
+
+    def _policy_loss(self, logits: Tensor, mb: dict[str, Tensor]
+                     ) -> tuple[Tensor, dict[str, Tensor]]:
+        """A critic-free micro-batch's clipped policy loss, normalised by its mini-batch's
+        tokens and sequences (``loss_tokens``/``loss_seqs``, set by :meth:`train`) and times
+        the engine's divisor (the replica's micro-batches): the engine's micro-batch losses
+        then sum to the mini-batch's whatever the split."""
+        fn = policy_loss_fn(self.algo, kl_loss_coef=self._kl_loss_coef(),
+                            horizon=self.cfg.generation.max_new_tokens)
+        loss, stats = fn(logits, mb, float(mb["loss_tokens"][0]), float(mb["loss_seqs"][0]))
+        return loss * self.ppo.micro_batches, stats
+
+    def _kl_loss_coef(self) -> float:
+        a = self.algo
+        return self.kl.value if not a.kl_in_reward and a.kl_loss_coef else 0.0
 
     # -- 4. training -----------------------------------------------------------------------------
     def plan_training(self, prompt_len: float) -> float:
@@ -502,6 +570,8 @@ class PPOWorker:
         replica = lp.replica(self.rank)
         for mbs in self.mini_batches(batch, iteration, p.micro_batches * lp.replicas):
             mine = mbs[replica * p.micro_batches: (replica + 1) * p.micro_batches]
+            if self.critic_free:
+                mine = [_with_loss_norm(mb, mbs) for mb in mine]
             out = self.engine.step(mine)
             self._train_events.extend(self.engine.trace_events())
             steps += 1
@@ -518,7 +588,7 @@ class PPOWorker:
         p = self.cfg.ppo
         rows = batch["input_ids"].shape[0]
         mini = rows // p.num_mini_batches
-        for epoch in range(p.num_ppo_epochs):
+        for epoch in range(self.algo.epochs):
             gen = torch.Generator().manual_seed(self.cfg.generation.seed * 7919 + iteration * 101
                                                 + epoch)
             order = torch.randperm(rows, generator=gen)
@@ -558,6 +628,7 @@ class PPOWorker:
         self._scoring.clear()
         self._scoring_cpu.clear()
         self._train_events.clear()
+        self._finish_order.clear()
         with self._stage("generation + inference"), no_autocast:
             self.frozen.prefetch()  # offloaded Ref/Reward come back while generation runs
             exps, stats = self.rollout(specs)
@@ -570,8 +641,14 @@ class PPOWorker:
         with self._stage("training"):
             metrics.update(self.train(batch, it))
         t4 = time.perf_counter()
-        self.rt_planner.observe([len(e.response_ids) for e in exps], self.backend, self._scoring,
+        # verl's apply_kl_penalty: the KL per token, averaged per response, then over the batch
+        self.kl.update(metrics["objective/kl_per_token"], len(exps))
+        lengths = [len(e.response_ids) for e in exps]
+        self.rt_planner.observe(lengths, self.backend, self._scoring,
                                 prompt_len=sum(len(p) for p in prompts) / max(len(prompts), 1))
+        bound = self.simulated_speedup(lengths, stats.get("rt"))
+        if bound is not None:
+            metrics["fusion/simulated_speedup"] = bound
         offload = self.offload_metrics()   # a collective: every rank, in this order
         busy = self.busy_metrics(t2 - t1, t4 - t3)   # a collective too
         gen_end = _max_stat(stats, "generation_end_s")
@@ -604,6 +681,19 @@ class PPOWorker:
                                      if _is_compute(name)]}
         return IterationResult(metrics, exps, timeline)
 
+    def simulated_speedup(self, lengths: Sequence[int], rt: int | None) -> float | None:
+        """R_t's simulator's serial/fused time of this batch's generation + scoring on the
+        costs fitted so far, groups included (:func:`~rlhf_fusion.rollout.planning.groups.
+        simulate_groups`): the ceiling inter-stage fusion has for these lengths."""
+        if not rt or len(self.placement.generators) < 2:
+            return None
+        import numpy as np
+
+        from ..rollout.planning.groups import simulate_groups
+
+        g = simulate_groups(np.asarray(lengths), self.rt_planner.cluster(), rt, self.algo.n)
+        return float(g.speedup) if np.isfinite(g.fused_s) else None
+
     # -- state for checkpoints and exactness checks ----------------------------------------------
     def canonical_state(self) -> dict[str, Tensor]:
         """This rank's share of ``{actor.*, critic.*}`` (every entry once over all ranks)."""
@@ -619,6 +709,19 @@ class PPOWorker:
         self.engine.close()
         if hasattr(self.backend, "close"):  # a vLLM engine's processes end with it
             self.backend.close()
+
+
+def _with_loss_norm(mb: dict[str, Tensor], mini: Sequence[dict[str, Tensor]]
+                    ) -> dict[str, Tensor]:
+    """``mb`` with its mini-batch's response tokens and sequences (``loss_tokens``,
+    ``loss_seqs``, one per row: they travel with the rows), what a critic-free loss divides
+    by."""
+    acts = [m["action_mask"].bool() for m in mini]
+    tokens = float(sum(int(a.sum()) for a in acts))
+    seqs = float(sum(int((a.sum(-1) > 0).sum()) for a in acts))
+    rows = mb["input_ids"].shape[0]
+    return {**mb, "loss_tokens": torch.full((rows,), tokens, dtype=torch.float64),
+            "loss_seqs": torch.full((rows,), seqs, dtype=torch.float64)}
 
 
 def trl_training_metrics(means: dict[str, float]) -> dict[str, float]:

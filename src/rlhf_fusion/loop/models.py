@@ -420,21 +420,24 @@ BUILTIN_REWARDS: dict[str, RewardFn] = {"vowels": vowel_fraction, "arithmetic": 
 
 @dataclass
 class Models:
-    """Actor and Critic (trained), Ref (frozen), and the Reward (model or function)."""
+    """Actor and Critic (trained), Ref (frozen), and the Reward (model or function); no
+    Critic (``None``) for a critic-free algorithm."""
 
     actor: nn.Module
-    critic: CriticModel
+    critic: CriticModel | None
     ref: nn.Module
     reward: nn.Module | RewardFn
     tokenizer: Any
 
 
-def build_models(cfg: ModelsConfig) -> Models:
+def build_models(cfg: ModelsConfig, *, critic: bool = True) -> Models:
+    """The run's models; ``critic=False`` (a critic-free algorithm) builds no Critic."""
     tokenizer = load_tokenizer(cfg)
     vocab = int(tokenizer.vocab_size)
     actor = causal_lm(cfg.actor, vocab, cfg.seed)
     ref = copy.deepcopy(actor) if cfg.ref is None else causal_lm(cfg.ref, vocab, cfg.seed)
-    critic = value_model(cfg.critic if cfg.critic is not None else cfg.actor, vocab, cfg.seed + 1)
+    value = (value_model(cfg.critic if cfg.critic is not None else cfg.actor, vocab,
+                         cfg.seed + 1) if critic else None)
     reward: nn.Module | RewardFn
     if callable(cfg.reward):
         reward = cfg.reward
@@ -447,4 +450,5 @@ def build_models(cfg: ModelsConfig) -> Models:
     for m in (ref, reward):
         if isinstance(m, nn.Module):
             m.requires_grad_(False).eval()
-    return Models(actor.train(), critic.train(), ref, reward, tokenizer)
+    return Models(actor.train(), value.train() if value is not None else None, ref, reward,
+                  tokenizer)

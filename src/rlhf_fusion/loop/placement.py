@@ -5,7 +5,9 @@ any of them starts (:func:`placement_of`).
 Every run has one. By default (no ``placement`` section) every call runs on every rank and the
 Actor and Critic train on the fused pipeline of ``fusion.pipeline_stages`` stages (default:
 every rank), ``world_size / pipeline_stages`` replicas of it; with one process every call is
-on rank 0 and training is one data-parallel rank. A ``placement`` section gives a FlexRLHF
+on rank 0 and training is one data-parallel rank. A critic-free algorithm has no Critic calls
+(``critic_inf``, ``critic_train``), and by default its Actor trains data parallel on every
+rank. A ``placement`` section gives a FlexRLHF
 preset or a plan file instead (:func:`resolve`); the planning side
 (:mod:`rlhf_fusion.placement`) describes placements on device meshes, and the loop's processes
 form one node of ``world_size`` devices. What the loop executes:
@@ -56,7 +58,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import RLHFFusionError
-from ..placement.graph import CALL_KIND, CALLS, MODELS, TRAIN_CALL, calls_of
+from ..placement.graph import CALL_KIND, CALL_MODEL, CALLS, MODELS, TRAIN_CALL, calls_of
 from ..placement.layout import (  # noqa: F401  (the kinds, named here for the loop's readers)
     DATA_PARALLEL,
     FUSED_PIPELINE,
@@ -96,14 +98,17 @@ class LoopPlacement:
 
     @classmethod
     def default(cls, world_size: int, stages: int, critic_stages: int | None = None,
-                offload: tuple[str, ...] = ()) -> LoopPlacement:
+                offload: tuple[str, ...] = (), *, critic: bool = True) -> LoopPlacement:
         """Every call on every rank; with ``world_size > 1`` training on the fused pipeline
         of ``stages`` stages (the Critic's of ``critic_stages``), ``world_size / stages``
-        replicas of it; with one rank, training on it alone."""
+        replicas of it; with one rank, training on it alone. ``critic=False`` (a
+        critic-free algorithm): no Critic calls, and the Actor trains data parallel on every
+        rank (the fused pipeline is the Actor/Critic one)."""
         every = tuple(range(world_size))
-        calls = {c: Layout(world_size, ranks=every) for c in CALLS}
+        calls = {c: Layout(world_size, ranks=every) for c in CALLS
+                 if critic or CALL_MODEL[c] != "critic"}
         replicas = 1
-        if world_size > 1:
+        if world_size > 1 and critic:
             cs = critic_stages or stages
             replicas = world_size // stages
             calls["actor_train"] = Layout(world_size // stages, pp=stages, ranks=every,
@@ -117,7 +122,13 @@ class LoopPlacement:
         return self.calls[call]
 
     def holds(self, call: str, rank: int) -> bool:
-        return rank in self.calls[call].ranks
+        """Whether ``rank`` runs ``call`` (a call the run does not have: no rank)."""
+        return call in self.calls and rank in self.calls[call].ranks
+
+    @property
+    def inference_calls(self) -> tuple[str, ...]:
+        """The inference calls of this run (no ``critic_inf`` without a Critic)."""
+        return tuple(c for c in INFERENCE_CALLS if c in self.calls)
 
     def generates(self, rank: int) -> bool:
         return self.holds("actor_gen", rank)
@@ -143,8 +154,8 @@ class LoopPlacement:
         return self.calls["actor_train"].kind
 
     def training_kinds(self) -> tuple[str, ...]:
-        """The kinds of the two training calls (Actor, Critic)."""
-        return tuple(self.calls[c].kind for c in TRAIN_CALL.values())
+        """The kinds of the training calls (Actor, then the Critic's if there is one)."""
+        return tuple(self.calls[c].kind for c in TRAIN_CALL.values() if c in self.calls)
 
     @property
     def fused_training(self) -> bool:
@@ -169,7 +180,7 @@ class LoopPlacement:
     def streamed_inference(self) -> bool:
         """The three inference calls on the generation ranks: scoring overlaps the tail."""
         gen = set(self.calls["actor_gen"].ranks)
-        return all(set(self.calls[c].ranks) == gen for c in INFERENCE_CALLS)
+        return all(set(self.calls[c].ranks) == gen for c in self.inference_calls)
 
     @property
     def generators(self) -> tuple[int, ...]:
@@ -205,7 +216,17 @@ def placement_of(cfg: RLHFConfig) -> LoopPlacement | None:
         check_micro_batches(cfg.ppo, cfg.generation.prompts_per_iteration, None)
         return None
     own = offload_names(pl.offload)
-    if pl.preset is None and pl.plan is None:
+    if pl.preset is None and pl.plan is None and cfg.algorithm.critic_free:
+        if f.pipeline_stages not in (None, 1) and cfg.world_size > 1:
+            raise LoopConfigError(
+                f"fusion.pipeline_stages: {f.pipeline_stages}, but algorithm.name "
+                f"{cfg.algorithm.name} trains the Actor alone and the fused pipeline is the "
+                "Actor/Critic one (a pipeline for one model alone is not executed); remove "
+                "fusion.pipeline_stages (the Actor then trains data parallel on every rank) "
+                "or give a placement (preset, plan or search; tensor parallel and ZeRO-3 plans "
+                "run)")
+        lp = LoopPlacement.default(cfg.world_size, 1, None, own or (), critic=False)
+    elif pl.preset is None and pl.plan is None:
         n, w = cfg.stages(), cfg.world_size
         if w > 1 and w % n:
             raise LoopConfigError(

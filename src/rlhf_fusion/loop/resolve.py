@@ -70,6 +70,8 @@ def _check_tensor_parallel(placement: LoopPlacement, actor: Any, critic: Any) ->
     from ..runtime.tensor_parallel import TensorParallelError, check_tensor_parallel
 
     for role, config in (("actor", actor), ("critic", critic)):
+        if f"{role}_train" not in placement.calls:
+            continue   # no Critic (a critic-free algorithm)
         tp = placement.calls[f"{role}_train"].tp
         try:
             check_tensor_parallel(config, tp, f"models.{role} (placement {placement.name}, "
@@ -83,15 +85,16 @@ def _check_stages(cfg: RLHFConfig, placement: LoopPlacement | None, actor_layers
     """No pipeline stage without a decoder layer: the stage count of the Actor and of the
     Critic at most their layer counts, named by the field that sets it."""
     if placement is not None:
-        wants = {"actor": (placement.calls["actor_train"].pp, actor_layers),
-                 "critic": (placement.calls["critic_train"].pp, critic_layers)}
+        layers = {"actor": actor_layers, "critic": critic_layers}
+        wants = {role: (placement.calls[f"{role}_train"].pp, have)
+                 for role, have in layers.items() if f"{role}_train" in placement.calls}
         for role, (pp, have) in wants.items():
             if pp > have:
                 raise LoopConfigError(
                     f"placement: the plan's {role} pipeline has {pp} stages but models.{role} "
                     f"has {have} decoder layers; plan with pp <= {have}")
         return
-    if cfg.world_size < 2:
+    if cfg.world_size < 2 or cfg.algorithm.critic_free:   # no pipeline without a Critic
         return
     n, f = cfg.stages(), cfg.fusion
     field = "fusion.pipeline_stages" if f.pipeline_stages is not None else "world_size"

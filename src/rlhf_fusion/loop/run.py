@@ -91,9 +91,6 @@ def train(cfg: RLHFConfig | ResolvedRun, prompts: Sequence[str], *, out_dir: str
     by the caller, and handed to every rank)."""
     run = resolve_run(cfg)
     cfg = run.config
-    from .algorithm_config import check_runnable
-
-    check_runnable(cfg)
     if keep_checkpoints < 0:
         raise LoopConfigError("keep_checkpoints: must be >= 0 (0 keeps every checkpoint)")
     if checkpoint_every < 0:
@@ -427,7 +424,7 @@ def rank_main(rank: int, world: int, cfg: RLHFConfig | ResolvedRun, prompt_ids: 
         # for the resource tracker to warn about when the rank exits.
         tqdm.set_lock(threading.RLock())
 
-        bar = tqdm(total=cfg.iterations, initial=start, desc="PPO iterations", unit="it",
+        bar = tqdm(total=cfg.iterations, initial=start, desc=f"{cfg.algorithm.name.upper()} iterations", unit="it",
                    file=sys.stderr, dynamic_ncols=True)
     timelines = []
     kept = []
@@ -498,7 +495,7 @@ def _jsonl(row: dict[str, float], cfg: RLHFConfig) -> dict[str, Any]:
         "iteration": row["iteration"],
         "reward_mean": row["objective/scores"],
         "kl": row["objective/kl"],
-        "samples": cfg.generation.prompts_per_iteration,
+        "samples": cfg.generation.prompts_per_iteration * cfg.algorithm.n,
         "seconds": row["time/iteration"],
         "gen_s": row["time/generation"],
         "inf_s": row["time/inference"],

@@ -43,13 +43,12 @@ _CKPT_KEY = "rlhf_loop_ranks"
 
 
 class RLHFModule(pl.LightningModule):
-    """PPO on the four models of ``config``; ``training_step`` runs one whole iteration."""
+    """The loop's algorithm (``config.algorithm``: PPO on the four models, or GRPO, RLOO,
+    REINFORCE++ without a Critic); ``training_step`` runs one whole iteration."""
 
     def __init__(self, config: RLHFConfig) -> None:
         super().__init__()
-        from ..loop.algorithm_config import check_runnable
-
-        check_runnable(config)   # in the constructing process, before any rank starts
+        config.validate()   # in the constructing process, before any rank starts
         self.config = config
         self.automatic_optimization = False
         self.worker: Any = None  # built in setup(), in the process that runs it
@@ -91,8 +90,7 @@ class RLHFModule(pl.LightningModule):
         # the Trainer's precision plugin set for the step; training runs under it.
         res = self.worker.iteration(prompts)
         self._count_iteration()
-        self.history.append({"iteration": res.metrics.get("episode", 0.0) / want - 1,
-                             **res.metrics})
+        self.history.append({"iteration": self.worker.iteration_index - 1, **res.metrics})
         self.log_dict(res.metrics, on_step=True, on_epoch=False, batch_size=want,
                       rank_zero_only=True)
         return None

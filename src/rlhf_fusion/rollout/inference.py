@@ -43,8 +43,11 @@ class InferenceModels:
                  reward: nn.Module | Callable[[Sequence[int], Sequence[int]], float] | None,
                  critic: nn.Module | None, *,
                  micro_batch: int = 8, dtype: torch.dtype = torch.float64,
-                 device: torch.device | str = "cpu", pad_id: int = 0) -> None:
+                 device: torch.device | str = "cpu", pad_id: int = 0,
+                 values: bool = True) -> None:
         self.device = torch.device(device)
+        # values=False: a critic-free run, whose experiences carry zero values (no Critic).
+        self.values = values
         self.ref = ref.to(device=self.device, dtype=dtype).eval() if ref is not None else None
         self.reward = (reward.to(device=self.device, dtype=dtype).eval()
                        if isinstance(reward, nn.Module) else reward)
@@ -55,12 +58,13 @@ class InferenceModels:
 
     def score(self, samples: Sequence[SampleResult]) -> list[Experience]:
         """Experience for ``samples`` (any number; run in micro-batches), in the given order."""
-        missing = [n for n in ("ref", "reward", "critic") if getattr(self, n) is None]
+        need = ("ref", "reward", "critic") if self.values else ("ref", "reward")
+        missing = [n for n in need if getattr(self, n) is None]
         if missing:
-            raise ValueError(f"score needs all three models; this rank lacks {missing} "
+            raise ValueError(f"score needs the models {list(need)}; this rank lacks {missing} "
                              "(use score_parts and merge_parts under a placement)")
         parts = self.score_parts(samples)
-        return [merge_parts(s, [p]) for s, p in zip(samples, parts)]
+        return [merge_parts(s, [p], values=self.values) for s, p in zip(samples, parts)]
 
     def score_parts(self, samples: Sequence[SampleResult]) -> list[dict[str, object]]:
         """Per sample, the outputs of the models this rank holds: ``ref_logprobs`` and
@@ -105,9 +109,13 @@ class InferenceModels:
         return out
 
 
-def merge_parts(sample: SampleResult, parts: Sequence[dict[str, object]]) -> Experience:
-    """One sample's experience from the partial scores of the ranks that hold each model."""
+def merge_parts(sample: SampleResult, parts: Sequence[dict[str, object]], *,
+                values: bool = True) -> Experience:
+    """One sample's experience from the partial scores of the ranks that hold each model;
+    ``values=False`` (no Critic): zero values."""
     joined: dict[str, object] = {}
+    if not values:
+        joined["values"] = torch.zeros(len(sample.token_ids), dtype=torch.float64)
     for part in parts:
         joined.update(part)
     missing = [k for k in ("ref_logprobs", "values", "reward") if k not in joined]
