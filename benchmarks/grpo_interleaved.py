@@ -34,6 +34,9 @@ if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 from _harness import write_results  # noqa: E402
 
+# benchmarks/trl.py would shadow the trl library: keep this folder off the path from here on.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
 KEYS = ("time/rollout", "time/train", "time/training", "time/iteration", "objective/scores",
         "rollout/simulated_speedup", "rollout/rt", "response_length/mean",
         "response_length/max")

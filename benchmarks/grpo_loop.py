@@ -47,6 +47,9 @@ if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
 from _harness import write_results  # noqa: E402
 
+# benchmarks/trl.py would shadow the trl library: keep this folder off the path from here on.
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or os.curdir) != _HERE]
+
 PROMPTS = ("the cat sings", "a dog runs", "hello there", "go on, tell", "what is it?",
            "one two", "blue sky", "say more")
 REWARD = "rlhf_fusion.testing.trl:vowel_reward"
