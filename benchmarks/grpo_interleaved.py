@@ -76,11 +76,31 @@ def _instrument() -> dict[str, float]:
     return acc
 
 
+def _yielding_scoring(worker: Any, pause_s: float) -> None:
+    """The diagnostic of ``--serial-scoring-yield``: this worker's scorers block for
+    ``pause_s`` before each micro-batch (the work is unchanged: the same batches, the same
+    results), as the fused stream blocks on its queue between micro-batches."""
+    scorers = [getattr(worker, "scorer", None), getattr(worker, "inference", None),
+               *getattr(worker, "scorers", {}).values()]
+    for sc in scorers:
+        if sc is None:
+            continue
+        inner = sc._score_batch
+
+        def paused(*a: Any, inner: Any = inner, **k: Any) -> Any:
+            time.sleep(pause_s)
+            return inner(*a, **k)
+
+        sc._score_batch = paused
+
+
 def rank_main(rank: int, world: int, cfgs: dict[str, Any], prompt_ids: list[list[int]],
-              iterations: int) -> list[dict[str, Any]]:
+              iterations: int, serial_yield: float) -> list[dict[str, Any]]:
     acc = _instrument()
     cls = _worker_cls()
     workers = {m: cls(c) for m, c in cfgs.items()}
+    if serial_yield:
+        _yielding_scoring(workers["serial"], serial_yield)
     ppi = cfgs["fused"].generation.prompts_per_iteration
     rows = []
     for it in range(iterations):
@@ -100,6 +120,10 @@ def rank_main(rank: int, world: int, cfgs: dict[str, Any], prompt_ids: list[list
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iterations", type=int, default=20)
+    p.add_argument("--serial-scoring-yield", type=float, default=0.0, metavar="SECONDS",
+                   help="diagnostic: the serial worker's scoring blocks this long before each "
+                        "micro-batch, as the fused stream does on its queue (e.g. 1e-4); "
+                        "writes results/grpo_interleaved_yield.{json,md}")
     args = p.parse_args(argv)
     from rlhf_fusion.launch import run_ranks
     from rlhf_fusion.loop.arithmetic import arithmetic_prompts
@@ -111,8 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_tokenizer(cfgs["fused"].models)
     ids = [tok.encode(x) for x in arithmetic_prompts()]
     load0 = os.getloadavg()[0]
-    ranks = run_ranks(rank_main, 2, cfgs, ids, args.iterations, collective_timeout=300,
-                      timeout=3600)
+    ranks = run_ranks(rank_main, 2, cfgs, ids, args.iterations, args.serial_scoring_yield,
+                      collective_timeout=300, timeout=3600)
     per_rank = [r.value for r in sorted(ranks, key=lambda r: r.rank)]
     r0 = per_rank[0]
     for row in r0:
@@ -161,7 +185,12 @@ def main(argv: list[str] | None = None) -> int:
         f"2 processes (gloo), one torch thread each, on a shared {os.cpu_count()}-core machine; "
         f"1-minute load average {load0:.1f} at the start, {payload['load_end']:.1f} at the end.",
     ]
-    path, _ = write_results("grpo_interleaved", payload, [(
+    if args.serial_scoring_yield:
+        notes.append(f"Diagnostic run: the serial worker's scoring blocked "
+                     f"{args.serial_scoring_yield * 1e3:g} ms before each micro-batch (the "
+                     "same work; the fused stream blocks on its queue between micro-batches).")
+    name = "grpo_interleaved_yield" if args.serial_scoring_yield else "grpo_interleaved"
+    path, _ = write_results(name, payload, [(
         "GRPO demo workload, fused and serial alternating per iteration in the same 2 processes",
         ["mode", "rollout s (rank 0)", "training s", "iteration s", "decode s (CPU)",
          "scoring s (CPU)", "waiting s"], table)], notes=notes)

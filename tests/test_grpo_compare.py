@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_fusion.loop.demo_grpo import pair_row, run_times, verdict
+from rlhf_fusion.loop.demo_grpo import pair_row, run_times, verdict, wait_per_cpu
 
 
 def hist(rollouts, trains, bounds):
@@ -55,3 +55,14 @@ def test_the_bar_below_the_bound_and_above_it():
     high = verdict([pair(1.3, 1.0, bound=1.4, p=i) for i in range(3)])
     assert high["bar"].startswith("median") and not high["bar_met"]   # iteration 1.15 short
     assert verdict([pair(1.6, 1.0, bound=1.4, p=i) for i in range(3)])["bar_met"]
+
+
+def test_a_ratio_above_the_bound_is_flagged_and_waits_are_read():
+    v = verdict([pair(1.3, 1.0, bound=1.05, p=i) for i in range(3)])
+    assert v["bar_met"] and v["above_bound"]   # met as stated, but not fusion's alone
+    assert not verdict([pair(1.08, 1.0, bound=1.05, p=i) for i in range(3)])["above_bound"]
+    t = run_times([{"time/rollout": 1.0, "time/train": 1.0, "time/iteration": 2.0,
+                    "time/decode": 0.6, "time/decode_cpu": 0.2, "time/scoring": 0.5,
+                    "time/scoring_cpu": 0.1}])
+    assert wait_per_cpu(t) == pytest.approx({"decode": 3.0, "scoring": 5.0})
+    assert wait_per_cpu(run_times(hist([1.0], [1.0], [None]))) == {}
