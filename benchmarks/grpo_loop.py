@@ -141,11 +141,13 @@ def fused_serial(args: argparse.Namespace) -> None:
             got[mode] = run_times(r["history"]) | {
                 "load_before": r["load_before"], "load_after": r["load_after"],
                 "wall_s": r["wall_s"], "mean_length": statistics.fmean(lengths),
+                "rt": [h.get("rollout/rt") for h in r["history"]],
                 "max_length": max(h["response_length/max"] for h in r["history"])}
         row = pair_row(pair, "fused" if order[0] else "serial", got["fused"], got["serial"])
         rows.append(row)
         b = row["bound"]
-        print(f"pair {pair}: rollout {row['rollout_ratio']:.2f}x (bound "
+        print(f"pair {pair}: R_t per iteration {got['fused']['rt']}; rollout "
+              f"{row['rollout_ratio']:.2f}x (bound "
               f"{'-' if b is None else f'{b:.2f}x'}), training {row['training_ratio']:.2f}x, "
               f"iteration {row['iteration_ratio']:.2f}x; load {got['fused']['load_before']:.1f}"
               f" / {got['serial']['load_before']:.1f}", file=sys.stderr, flush=True)
