@@ -32,6 +32,7 @@ from typing import Any
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+import grpo_loop  # noqa: E402  (the tail workload's model and config)
 from _harness import write_results  # noqa: E402
 
 # benchmarks/trl.py would shadow the trl library: keep this folder off the path from here on.
@@ -120,6 +121,9 @@ def rank_main(rank: int, world: int, cfgs: dict[str, Any], prompt_ids: list[list
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iterations", type=int, default=20)
+    p.add_argument("--workload", choices=("demo", "tail"), default="demo",
+                   help="demo: the GRPO demo's arithmetic; tail: benchmarks/grpo_loop.py's "
+                        "long-tailed lengths (its default workload, its config)")
     p.add_argument("--serial-scoring-yield", type=float, default=0.0, metavar="SECONDS",
                    help="diagnostic: the serial worker's scoring blocks this long before each "
                         "micro-batch, as the fused stream does on its queue (e.g. 1e-4); "
@@ -130,10 +134,25 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf_fusion.loop.demo_grpo import grpo_demo_config
     from rlhf_fusion.loop.models import load_tokenizer
 
-    cfgs = {"fused": grpo_demo_config(iterations=args.iterations),
-            "serial": grpo_demo_config(iterations=args.iterations, serial=True)}
+    if args.workload == "demo":
+        cfgs = {"fused": grpo_demo_config(iterations=args.iterations),
+                "serial": grpo_demo_config(iterations=args.iterations, serial=True)}
+        prompts = arithmetic_prompts()
+    else:
+        import tempfile
+        from pathlib import Path
+
+        from rlhf_fusion.loop.config import RLHFConfig
+
+        wl = grpo_loop.main_parser().parse_args(["fused-serial"])
+        root = Path(tempfile.mkdtemp(prefix="bench-grpo-interleaved-"))
+        model = grpo_loop.model_dir(wl, root)
+        prompts = list(grpo_loop.PROMPTS)
+        cfgs = {m: RLHFConfig.from_dict(grpo_loop.loop_config(
+            wl, model, "", world=2, fused=m == "fused", iterations=args.iterations)
+            | {"prompts": None}) for m in ("fused", "serial")}
     tok = load_tokenizer(cfgs["fused"].models)
-    ids = [tok.encode(x) for x in arithmetic_prompts()]
+    ids = [tok.encode(x) for x in prompts]
     load0 = os.getloadavg()[0]
     ranks = run_ranks(rank_main, 2, cfgs, ids, args.iterations, args.serial_scoring_yield,
                       collective_timeout=300, timeout=3600)
@@ -189,9 +208,11 @@ def main(argv: list[str] | None = None) -> int:
         notes.append(f"Diagnostic run: the serial worker's scoring blocked "
                      f"{args.serial_scoring_yield * 1e3:g} ms before each micro-batch (the "
                      "same work; the fused stream blocks on its queue between micro-batches).")
-    name = "grpo_interleaved_yield" if args.serial_scoring_yield else "grpo_interleaved"
+    name = ("grpo_interleaved" + ("_tail" if args.workload == "tail" else "")
+            + ("_yield" if args.serial_scoring_yield else ""))
     path, _ = write_results(name, payload, [(
-        "GRPO demo workload, fused and serial alternating per iteration in the same 2 processes",
+        f"GRPO {args.workload} workload, fused and serial alternating per iteration in the same "
+        "2 processes",
         ["mode", "rollout s (rank 0)", "training s", "iteration s", "decode s (CPU)",
          "scoring s (CPU)", "waiting s"], table)], notes=notes)
     print("\n".join(notes), file=sys.stderr)

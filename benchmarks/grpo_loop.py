@@ -305,7 +305,7 @@ def _argv(args: argparse.Namespace) -> list[str]:
     return [f"--{k.replace('_', '-')}={v}" for k, v in _workload(args).items()]
 
 
-def main(argv: list[str] | None = None) -> int:
+def main_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("what", choices=("fused-serial", "vs-trl", "_trl"))
     p.add_argument("--prompts", type=int, default=8)
@@ -324,7 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=1800)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--model", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = main_parser().parse_args(argv)
     if args.what == "_trl":
         Path(args.out).write_text(json.dumps(trl_run(args, args.model)))
     elif args.what == "fused-serial":
