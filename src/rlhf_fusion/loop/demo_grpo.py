@@ -274,9 +274,10 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
         row = pair_row(pair, "serial" if order[0] else "fused", got["fused"], got["serial"])
         rows.append(row)
         b = row["bound"]
+        g = row["gain_of_bound"]
         sim = (f" (simulator's bound {b:.2f}x" + (
-            f": {row['gain_of_bound']:.0%} of its gain)" if row["gain_of_bound"] is not None
-            else ")")) if b is not None else " (no bound: no migration)"
+            ")" if g is None else ": below 1.0x)" if g < 0 else ": above it)" if g > 1.5
+            else f": {g:.0%} of its gain)")) if b is not None else " (no bound: no migration)"
         drift = ("  <- load changed between the two runs"
                  if abs(row["training_ratio"] - 1) > CONTROL_DRIFT else "")
         print(f"pair {pair}: rollout serial/fused {row['rollout_ratio']:.2f}x{sim}; training "
