@@ -277,7 +277,7 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
         g = row["gain_of_bound"]
         sim = (f" (simulator's bound {b:.2f}x" + (
             ")" if g is None else ": below 1.0x)" if g < 0 else ": above it)" if g > 1.5
-            else f": {g:.0%} of its gain)")) if b is not None else " (no bound: no migration)"
+            else f": {g:.0%} of its gain)")) if b is not None else " (no bound reported)"
         drift = ("  <- load changed between the two runs"
                  if abs(row["training_ratio"] - 1) > CONTROL_DRIFT else "")
         print(f"pair {pair}: rollout serial/fused {row['rollout_ratio']:.2f}x{sim}; training "
