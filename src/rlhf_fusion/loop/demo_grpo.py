@@ -304,12 +304,12 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
     cores, load = os.cpu_count() or 1, os.getloadavg()[0]
     if v["above_bound"]:
         print(f"the measured rollout ratio is above the simulator's bound: the overlap of "
-              f"scoring with the tail cannot give more than the bound, so the rest is not "
-              f"fusion's. On an oversubscribed CPU (load {load:.1f} on {cores} cores now) the "
-              "serial path's long scoring burst waits for a core while the fused stream's "
-              "short calls, between blocking queue reads, do not (benchmarks/"
-              "grpo_interleaved.py measures it: given the same blocking pattern, the serial "
-              "path's ratio came back to the bound)")
+              f"scoring with the tail cannot give more than the bound, so the rest is the "
+              f"machine's, not fusion's: the load moves between the runs (the training "
+              f"ratio), and on an oversubscribed CPU (load {load:.1f} on {cores} cores now) "
+              "the serial path's long scoring burst waits longer for a core than the fused "
+              "stream's short calls. benchmarks/grpo_interleaved.py runs both modes in the "
+              "same processes, under the same load: there the ratio sits at the bound")
     print(f"bar ({v['bar']}, no pair below 1.0x): {'met' if v['bar_met'] else 'NOT met'}"
           + (f"; training ratio off 1.0 by more than {CONTROL_DRIFT:.0%} in pair(s) "
              f"{v['pairs_with_load_drift']}: the machine's load moved, those ratios are not "
