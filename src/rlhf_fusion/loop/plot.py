@@ -183,7 +183,7 @@ def grpo_compare_png(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(2.2 + 1.6 * len(rows), 4))
+    fig, ax = plt.subplots(figsize=(2.6 + 1.6 * len(rows), 4.6))
     ticks = []
     for i, row in enumerate(rows):
         for j, mode in enumerate(("fused", "serial")):
@@ -201,7 +201,8 @@ def grpo_compare_png(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
     ax.set_xticks([x for x, _ in ticks], [n for _, n in ticks], rotation=30, fontsize=8)
     ax.set_ylabel("seconds, summed over iterations")
     ax.margins(y=0.25)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2,
+              frameon=False)
     ax.set_title("GRPO: serial/fused per pair (training is the same work: the load control)",
                  fontsize=9)
     fig.tight_layout()
