@@ -549,8 +549,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--serial", action="store_true",
                    help="the serial baseline (no inter- or intra-stage fusion)")
     d.add_argument("--compare", action="store_true",
-                   help="run fused and --serial as alternating pairs; print every pair's and "
-                        "the median serial/fused ratio of total iteration time, check the "
+                   help="run fused and --serial as alternating pairs (--algo grpo: both "
+                        "modes interleaved iteration by iteration in the same processes); "
+                        "print every pair's and the median serial/fused ratio, check the "
                         "rewards are equal in every iteration, plot the breakdown")
     d.add_argument("--pairs", type=int, default=3,
                    help="fused/serial pairs for --compare (default: 3)")

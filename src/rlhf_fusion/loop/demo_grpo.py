@@ -226,58 +226,98 @@ def _breakdown_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
     return lines
 
 
+def interleaved_rank(rank: int, world: int, cfgs: dict[str, RLHFConfig],
+                     prompt_ids: list[list[int]], first: str) -> dict[str, list[dict[str, Any]]]:
+    """One rank of an interleaved comparison: a worker per mode on this rank, built from the
+    same seed, running the same prompts iteration by iteration, the mode that goes first
+    alternating (``first`` at iteration 0). Both modes see the machine's load within a second
+    of each other, so a ratio of their times is not the load's drift between two runs."""
+    import torch
+
+    from .iteration import PPOWorker
+    from .run import prompts_for
+
+    workers = {}
+    for mode, cfg in cfgs.items():
+        torch.manual_seed(cfg.models.seed)
+        workers[mode] = PPOWorker(cfg)
+    other = "serial" if first == "fused" else "fused"
+    hist: dict[str, list[dict[str, Any]]] = {m: [] for m in cfgs}
+    ppi = cfgs["fused"].generation.prompts_per_iteration
+    for it in range(cfgs["fused"].iterations):
+        prompts = prompts_for(prompt_ids, it, ppi)
+        for mode in ((first, other) if it % 2 == 0 else (other, first)):
+            hist[mode].append({"iteration": it, **workers[mode].iteration(prompts).metrics})
+    for w in workers.values():
+        w.close()
+    return hist
+
+
 def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 3,
                  iterations: int = 40) -> dict[str, Any]:
-    """``--algo grpo --compare``: fused and serial runs of the same workload as alternating
-    pairs (the order flips each pair, so drift in the machine's load hits both); checks the
-    rewards are equal in every iteration of every run. Per pair it prints the serial/fused
-    ratio of the rollout (generation + Ref and reward scoring: what inter-stage fusion
-    changes) beside R_t's simulator bound for the run's own lengths and timings, of the
-    training (the same work in both modes: the load control) and of the whole iteration,
-    then the per-stage seconds and the bar of issue 37. Writes ``compare.json`` and
-    ``compare.png``. Raises :class:`~.compare.CompareError` when rewards differ."""
+    """``--algo grpo --compare``: fused and serial runs of the same workload, *interleaved*:
+    each pair is one launch of the ranks that holds a fused and a serial worker per rank and
+    runs them on the same prompts, iteration by iteration, the first mode alternating (and
+    flipping between pairs). Checks the rewards are equal in every iteration of every run.
+    Per pair it prints the serial/fused ratio of the rollout (generation + Ref and reward
+    scoring: what inter-stage fusion changes) beside R_t's simulator bound for the run's own
+    lengths and timings, of the training (the same work in both modes: the load control) and
+    of the whole iteration, then the per-stage seconds and the bar of issue 37. Writes
+    ``compare.json`` and ``compare.png``. Raises :class:`~.compare.CompareError` when rewards
+    differ.
+
+    Interleaved, not separate runs: on a shared or oversubscribed machine the load moves by
+    tens of percent between two runs, more than the few percent inter-stage fusion gains on
+    this workload (``benchmarks/results/grpo_demo_compare_analysis.md``)."""
     import os
 
+    from ..launch import run_ranks
     from .compare import CompareError
+    from .models import load_tokenizer
     from .plot import grpo_compare_png
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     prompts = arithmetic_prompts()
+    cfgs = {"fused": grpo_demo_config(iterations=iterations, serial=False),
+            "serial": grpo_demo_config(iterations=iterations, serial=True)}
+    tok = load_tokenizer(cfgs["fused"].models)
+    prompt_ids = [tok.encode(x) for x in prompts]
     rows: list[dict[str, Any]] = []
     reference = None
     for pair in range(pairs):
+        first = "fused" if pair % 2 == 0 else "serial"
+        load = os.getloadavg()[0]
+        ranks = run_ranks(interleaved_rank, cfgs["fused"].world_size, cfgs, prompt_ids, first,
+                          collective_timeout=300, timeout=3600)
+        hists = next(r.value for r in ranks if r.rank == 0)
         got: dict[str, dict[str, Any]] = {}
-        order = (False, True) if pair % 2 == 0 else (True, False)
-        for serial in order:
-            mode = "serial" if serial else "fused"
-            load = os.getloadavg()[0]
-            hist = _train(grpo_demo_config(iterations=iterations, serial=serial),
-                          prompts)["history"]
+        for mode in (first, "serial" if first == "fused" else "fused"):
+            hist = hists[mode]
             rewards = [h["objective/scores"] for h in hist]
             if reference is None:
                 reference = rewards
             elif rewards != reference:
-                first = next(i for i, (a, b) in enumerate(zip(rewards, reference, strict=True))
-                             if a != b)
-                raise CompareError(f"pair {pair}, {mode}: the reward of iteration {first} "
-                                   f"differs ({rewards[first]} vs {reference[first]}); fused "
+                i = next(i for i, (a, b) in enumerate(zip(rewards, reference, strict=True))
+                         if a != b)
+                raise CompareError(f"pair {pair}, {mode}: the reward of iteration {i} "
+                                   f"differs ({rewards[i]} vs {reference[i]}); fused "
                                    "and serial must sample alike")
             got[mode] = run_times(hist) | {"load_before": load,
                                             "load_after": os.getloadavg()[0]}
-        row = pair_row(pair, "serial" if order[0] else "fused", got["fused"], got["serial"])
+        row = pair_row(pair, first, got["fused"], got["serial"])
         rows.append(row)
         b = row["bound"]
         g = row["gain_of_bound"]
         sim = (f" (simulator's bound {b:.2f}x" + (
             ")" if g is None else ": below 1.0x)" if g < 0 else ": above it)" if g > 1.5
             else f": {g:.0%} of its gain)")) if b is not None else " (no bound reported)"
-        drift = ("  <- load changed between the two runs"
+        drift = ("  <- the load moved even within the pair"
                  if abs(row["training_ratio"] - 1) > CONTROL_DRIFT else "")
         print(f"pair {pair}: rollout serial/fused {row['rollout_ratio']:.2f}x{sim}; training "
               f"(same work) {row['training_ratio']:.2f}x; iteration "
-              f"{row['iteration_ratio']:.2f}x; load {got['fused']['load_before']:.1f} / "
-              f"{got['serial']['load_before']:.1f}{drift}", flush=True)
+              f"{row['iteration_ratio']:.2f}x; load {load:.1f} -> "
+              f"{got['fused']['load_after']:.1f}{drift}", flush=True)
     v = verdict(rows)
     summary = {"pairs": rows, "rewards_equal": True, "iterations": iterations,
                "cpu_cores": os.cpu_count(), **v}
@@ -299,11 +339,9 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
     if v["above_bound"]:
         print(f"the measured rollout ratio is above the simulator's bound: the overlap of "
               f"scoring with the tail cannot give more than the bound, so the rest is the "
-              f"machine's, not fusion's: the load moves between the runs (the training "
-              f"ratio), and on an oversubscribed CPU (load {load:.1f} on {cores} cores now) "
-              "the serial path's long scoring burst waits longer for a core than the fused "
-              "stream's short calls. benchmarks/grpo_interleaved.py runs both modes in the "
-              "same processes, under the same load: there the ratio sits at the bound")
+              f"machine's, not fusion's: on an oversubscribed CPU (load {load:.1f} on {cores} "
+              "cores now) the serial path's long scoring burst waits longer for a core than "
+              "the fused stream's short calls")
     print(f"bar ({v['bar']}, no pair below 1.0x): {'met' if v['bar_met'] else 'NOT met'}"
           + (f"; training ratio off 1.0 by more than {CONTROL_DRIFT:.0%} in pair(s) "
              f"{v['pairs_with_load_drift']}: the machine's load moved, those ratios are not "

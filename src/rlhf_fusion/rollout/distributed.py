@@ -370,8 +370,11 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
     results: list[SampleResult] = []
 
     def push(samples: Sequence[SampleResult]) -> None:
-        for s in samples:
-            store.queue_push(queue_key, pickle.dumps(s))
+        # One queue item per chunk of up to a micro-batch, not per sample: every push and pop
+        # is a round trip to the store that rank 0's process serves, and per sample those
+        # round trips cost more than the overlap gains on short completions.
+        for i in range(0, len(samples), micro):
+            store.queue_push(queue_key, pickle.dumps(list(samples[i: i + micro])))
 
     if r.rank in plan.destinations:
         results.extend(done)
@@ -409,7 +412,7 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
         batch: list[SampleResult] = []
         while len(batch) < micro:
             try:
-                batch.append(pickle.loads(store.queue_pop(queue_key, False)))
+                batch.extend(pickle.loads(store.queue_pop(queue_key, False)))
             except dist.QueueEmptyError:
                 break
         if batch:
