@@ -2,10 +2,12 @@
 # A tiny verl 0.9.1 PPO/GAE job (v1 trainer, sync mode) on CPU. Usage: run_job.sh ASSETS [overrides]
 set -euo pipefail
 A=$1; shift
+# every line of every process (Ray folds repeated lines by default)
+export RAY_DEDUP_LOGS=0
 export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 HERE=$(cd "$(dirname "$0")" && pwd)
 export PYTHONPATH=$HERE${PYTHONPATH:+:$PYTHONPATH}
-export VERL_USE_EXTERNAL_MODULES=verl_cpu_platform VERL_PLATFORM=cpu VERL_ENGINE_DEVICE=cuda
+export VERL_USE_EXTERNAL_MODULES=verl_cpu_platform,verl_gae_record VERL_PLATFORM=cpu VERL_ENGINE_DEVICE=cuda
 python -m verl.trainer.main_ppo \
   algorithm.adv_estimator=gae \
   data.train_files=$A/train.parquet data.val_files=$A/val.parquet \
@@ -22,6 +24,8 @@ python -m verl.trainer.main_ppo \
   trainer.nnodes=1 trainer.n_gpus_per_node=1 trainer.logger='[console]' \
   trainer.total_training_steps=1 trainer.val_before_train=false trainer.test_freq=-1 \
   trainer.save_freq=-1 \
+  algorithm.gamma=0.99 algorithm.lam=0.95 \
+  reward.num_workers=1 reward.custom_reward_function.path=$HERE/reward.py \
   +ray_kwargs.ray_init.num_gpus=1 ray_kwargs.ray_init.num_cpus=16 \
   transfer_queue.backend.SimpleStorage.num_data_storage_units=1 \
   trainer.device=cpu actor_rollout_ref.actor.strategy=fsdp2 critic.strategy=fsdp2 \

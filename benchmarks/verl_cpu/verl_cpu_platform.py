@@ -29,6 +29,8 @@ class _CpuDeviceModule(ModuleType):
     def __getattr__(self, name: str) -> Any:
         if hasattr(torch.cpu, name):
             return getattr(torch.cpu, name)
+        if name == "get_device_name":
+            return lambda *a, **k: "CPU"
         if name == "mem_get_info":
             return lambda *a, **k: (8 << 30, 8 << 30)
         return lambda *a, **k: 0
