@@ -7,7 +7,7 @@ set -euo pipefail
 HERE=$(cd "$(dirname "$0")" && pwd)
 W=${1:-$(mktemp -d)}
 mkdir -p "$W"
-python "$HERE/make_assets.py" "$W/assets" > /dev/null
+"${PYTHON:-python}" "$HERE/make_assets.py" "$W/assets" > /dev/null
 unset RLHF_FUSION_VERL
 # the plugin reaches every Ray worker the documented way: ray_init.runtime_env.env_vars
 VERL_GAE_RECORD_DIR=$W/gae_on bash "$HERE/run_job.sh" "$W/assets" \
@@ -16,4 +16,4 @@ VERL_GAE_RECORD_DIR=$W/gae_on bash "$HERE/run_job.sh" "$W/assets" \
 VERL_GAE_RECORD_DIR=$W/gae_off bash "$HERE/run_job.sh" "$W/assets" > "$W/off.log" 2>&1 \
     || { tail -40 "$W/off.log"; exit 1; }
 grep -h -o "timing_s/step:[0-9.]*" "$W/on.log" "$W/off.log" || true
-python "$HERE/compare.py" "$W/gae_on" "$W/gae_off" "$W/on.log" "$W/off.log"
+"${PYTHON:-python}" "$HERE/compare.py" "$W/gae_on" "$W/gae_off" "$W/on.log" "$W/off.log"

@@ -8,7 +8,7 @@ export VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-1}
 HERE=$(cd "$(dirname "$0")" && pwd)
 export PYTHONPATH=$HERE${PYTHONPATH:+:$PYTHONPATH}
 export VERL_USE_EXTERNAL_MODULES=verl_cpu_platform,verl_gae_record VERL_PLATFORM=cpu VERL_ENGINE_DEVICE=cuda
-python -m verl.trainer.main_ppo \
+"${PYTHON:-python}" -m verl.trainer.main_ppo \
   algorithm.adv_estimator=gae \
   data.train_files=$A/train.parquet data.val_files=$A/val.parquet \
   data.train_batch_size=4 data.max_prompt_length=32 data.max_response_length=16 \
@@ -18,6 +18,7 @@ python -m verl.trainer.main_ppo \
   critic.ppo_micro_batch_size_per_gpu=2 \
   actor_rollout_ref.rollout.name=vllm actor_rollout_ref.rollout.tensor_model_parallel_size=1 \
   actor_rollout_ref.rollout.n=1 actor_rollout_ref.rollout.enforce_eager=true \
+  actor_rollout_ref.rollout.agent.num_workers=2 \
   actor_rollout_ref.rollout.load_format=auto \
   +actor_rollout_ref.rollout.enable_sleep_mode=false actor_rollout_ref.rollout.free_cache_engine=false \
   actor_rollout_ref.rollout.gpu_memory_utilization=0.9 \
