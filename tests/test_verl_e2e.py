@@ -35,5 +35,7 @@ def test_verl_job_on_cpu_gae_on_and_off(tmp_path):
     # compare.py's verdict: ours ran in the "on" job and equals verl's GAE on the same inputs
     # within the documented bounds; the "off" job ran verl's; every Ray worker of the "on" job
     # that imported verl logged the plugin's line, none of the "off" job's did
-    assert "fused=True" in out and "fused=False" in out and out.rstrip().endswith("OK"), out
-    assert "missing: none" in out and "unexpected: none" in out, out
+    verdict = run.stdout
+    assert "fused=True" in verdict and "fused=False" in verdict, out[-6000:]
+    assert verdict.rstrip().endswith("\nOK"), out[-6000:]
+    assert "missing: none" in verdict and "unexpected: none" in verdict, out[-6000:]
