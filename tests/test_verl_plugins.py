@@ -263,3 +263,19 @@ def test_entry_point_logs_once_and_fails_loudly():
     # verl catches Exception around entry points and logs at DEBUG; this must stop the import
     assert bad.returncode != 0
     assert "VerlPluginLoadError" in bad.stderr and "unknown plugin(s) ['gea']" in bad.stderr
+
+
+@pytest.mark.verl
+def test_gae_installs_through_the_v1_trainers_import_chain():
+    # In a real job the task runner first reaches core_algos through the v1 trainer's imports
+    # (agent_loop -> trainer.distillation.losses -> core_algos), and ray_trainer imports
+    # distillation.losses back: checking ray_trainer's call site inside core_algos' import was
+    # a circular ImportError (found by the end-to-end job, benchmarks/verl_cpu).
+    _verl("verl.trainer.ppo.v1")
+    env = dict(os.environ, RLHF_FUSION_VERL="gae")
+    code = ("import verl.trainer.ppo.v1\nfrom verl.trainer.ppo import core_algos, ray_trainer\n"
+            "print('GAE', core_algos.compute_gae_advantage_return.__module__)")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "GAE rlhf_fusion.integrations.verl.gae_plugin" in run.stdout

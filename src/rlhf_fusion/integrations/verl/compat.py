@@ -13,7 +13,7 @@ from typing import Any
 
 from .options import VerlPluginError
 
-__all__ = ["SUPPORTED_TEXT", "check_gae_seam", "check_overlap_seam", "check_tail_seam",
+__all__ = ["SUPPORTED_TEXT", "check_gae_call_site", "check_gae_seam", "check_overlap_seam", "check_tail_seam",
            "check_version", "installed_version"]
 
 SUPPORTED = (">=0.9.1", "<0.10")
@@ -50,9 +50,10 @@ def _moved(version: str, what: str) -> VerlPluginError:
 
 def check_gae_seam(core_algos: Any, version: str) -> None:
     """``core_algos.compute_gae_advantage_return(token_level_rewards, values, response_mask,
-    gamma, lam)`` exists, and both trainers reach it through the module attribute: the legacy
-    ``ray_trainer.compute_advantage`` calls ``core_algos.compute_gae_advantage_return(...)`` and
-    the v1 trainer's ``compute_advantage_for_multi_trajectories`` delegates GAE to it."""
+    gamma, lam)`` exists. Where it is called is :func:`check_gae_call_site`'s, run when
+    ``ray_trainer`` is imported: importing it from here, inside core_algos' own import, is
+    circular in a real job (the v1 trainer reaches core_algos through
+    ``verl.trainer.distillation.losses``, which ``ray_trainer`` imports back)."""
     fn = getattr(core_algos, "compute_gae_advantage_return", None)
     if fn is None:
         raise _moved(version, "verl.trainer.ppo.core_algos has no compute_gae_advantage_return")
@@ -60,8 +61,12 @@ def check_gae_seam(core_algos: Any, version: str) -> None:
     if params != GAE_PARAMS:
         raise _moved(version, f"compute_gae_advantage_return{tuple(params)} is not "
                               f"compute_gae_advantage_return{tuple(GAE_PARAMS)}")
-    import verl.trainer.ppo.ray_trainer as ray_trainer
 
+
+def check_gae_call_site(ray_trainer: Any, version: str) -> None:
+    """Both trainers reach GAE through the module attribute: the legacy
+    ``ray_trainer.compute_advantage`` calls ``core_algos.compute_gae_advantage_return(...)`` and
+    the v1 trainer's ``compute_advantage_for_multi_trajectories`` delegates GAE to it."""
     src = inspect.getsource(ray_trainer.compute_advantage)
     if "core_algos.compute_gae_advantage_return(" not in src:
         raise _moved(version, "ray_trainer.compute_advantage no longer calls "

@@ -33,13 +33,15 @@ from typing import Any
 import torch
 
 from ...triton_kernels.gae import gae
-from .compat import check_gae_seam, check_version
+from .compat import check_gae_call_site, check_gae_seam, check_version
+from .hooks import after_import
 from .state import PATCHED
 
 __all__ = ["CORE_ALGOS", "fused_compute_gae_advantage_return", "install", "install_now",
            "stock_gae", "uninstall"]
 
 CORE_ALGOS = "verl.trainer.ppo.core_algos"
+RAY_TRAINER = "verl.trainer.ppo.ray_trainer"
 
 _STOCK: dict[str, Any] = {}
 _SAID: set[str] = set()
@@ -109,7 +111,10 @@ def install(core_algos: ModuleType) -> None:
     so that ``get_adv_estimator_fn("gae")`` agrees) after checking the seam; idempotent."""
     if "gae" in PATCHED:
         return
-    check_gae_seam(core_algos, check_version())
+    version = check_version()
+    check_gae_seam(core_algos, version)
+    # the call site once ray_trainer is imported (now if it is): a failure fails that import
+    after_import(RAY_TRAINER, lambda ray_trainer: check_gae_call_site(ray_trainer, version))
     stock = core_algos.compute_gae_advantage_return
     _STOCK["compute_gae_advantage_return"] = stock
     core_algos.compute_gae_advantage_return = fused_compute_gae_advantage_return
