@@ -10,6 +10,7 @@ export PYTHONPATH=$HERE${PYTHONPATH:+:$PYTHONPATH}
 export VERL_USE_EXTERNAL_MODULES=verl_cpu_platform,verl_gae_record VERL_PLATFORM=cpu VERL_ENGINE_DEVICE=cuda
 "${PYTHON:-python}" -m verl.trainer.main_ppo \
   algorithm.adv_estimator=gae \
+  hydra.run.dir=$A/hydra/\${now:%Y-%m-%d_%H-%M-%S} \
   data.train_files=$A/train.parquet data.val_files=$A/val.parquet \
   data.train_batch_size=4 data.max_prompt_length=32 data.max_response_length=16 \
   actor_rollout_ref.model.path=$A/model critic.model.path=$A/model \
