@@ -157,10 +157,12 @@ class RtPlanner:
 
     def rt(self) -> int:
         """R_t for the next rollout, 0 for no migration (the serial rollout); collective when
-        distributed (rank ``src`` decides)."""
+        distributed and simulated (rank ``src`` decides)."""
         box = [self._decide() if not dist.is_initialized() or dist.get_rank() == self.src
-               else None]
-        if dist.is_initialized():
+               or self.fixed is not None else None]
+        if dist.is_initialized() and self.fixed is None:
+            # Only a simulated R_t needs rank src's decision (the others observed other
+            # timings); a fixed one is the same config on every rank, so no round trip.
             dist.broadcast_object_list(box, src=self.src)
         self.current = int(box[0])
         self.history.append(self.current)
