@@ -64,7 +64,11 @@ def _trl_conditions(*files: dict, threads: bool = True) -> str:
         return ""
     d = files[0]
     pairs = d.get("pairs", 1)
-    return (f"; 1-minute load average {min(loads):.1f}-{max(loads):.1f} on the shared machine"
+    # The benchmark's own processes make a load of about 1-2; above the core count, other
+    # jobs shared the machine.
+    cores = int(d.get("device", {}).get("cpu_cores") or 1)
+    where = "nothing else running" if max(loads) <= cores + 0.5 else "the machine shared"
+    return (f"; 1-minute load average {min(loads):.1f}-{max(loads):.1f} ({where})"
             + (f", torch threads {d.get('torch_threads', '?')}" if threads else "")
             + ", stock and fused alternating"
             + (f", the median of {pairs} pairs per seed" if pairs > 1 else ""))
