@@ -176,14 +176,15 @@ def _plain_cpu_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
     layer.cpu_linear = torch.nn.functional.linear
 
 
-class _PatchVllmLinear:
-    """Replaces vLLM's dispatch_cpu_unquantized_gemm once vLLM loads it, in whichever process
-    that is (the rollout server's engine workers), without importing vLLM anywhere else."""
+class _AfterImport:
+    """Runs ``fn(module)`` right after ``name`` is imported, in whichever process imports it,
+    without importing it anywhere else."""
 
-    NAME = "vllm.model_executor.layers.utils"
+    def __init__(self, name, fn):
+        self.name, self.fn = name, fn
 
     def find_spec(self, name, path=None, target=None):
-        if name != self.NAME:
+        if name != self.name:
             return None
         import importlib.machinery
 
@@ -194,15 +195,26 @@ class _PatchVllmLinear:
 
         def patched(module):
             exec_module(module)
-            module.dispatch_cpu_unquantized_gemm = _plain_cpu_linear
+            self.fn(module)
 
         spec.loader.exec_module = patched
         return spec
 
 
-import sys  # noqa: E402
+def after_import(name, fn):
+    """``fn(module)`` now if ``name`` is imported already, else right after its import."""
+    import sys
 
-if _PatchVllmLinear.NAME in sys.modules:  # a vLLM engine worker imports vLLM before verl
-    sys.modules[_PatchVllmLinear.NAME].dispatch_cpu_unquantized_gemm = _plain_cpu_linear
-else:
-    sys.meta_path.insert(0, _PatchVllmLinear())
+    if name in sys.modules:
+        fn(sys.modules[name])
+    else:
+        sys.meta_path.insert(0, _AfterImport(name, fn))
+
+
+def _patch_vllm_linear(module):
+    module.dispatch_cpu_unquantized_gemm = _plain_cpu_linear
+
+
+# vLLM's dispatch_cpu_unquantized_gemm, replaced once vLLM loads it (the rollout server's engine
+# workers; an engine worker imports vLLM before verl).
+after_import("vllm.model_executor.layers.utils", _patch_vllm_linear)

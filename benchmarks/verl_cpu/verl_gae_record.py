@@ -9,9 +9,7 @@ own function's outputs on the same inputs to ``$VERL_GAE_RECORD_DIR/gae_<pid>_<n
 
 from __future__ import annotations
 
-import importlib.machinery
 import os
-import sys
 
 TARGET = "verl.trainer.ppo.ray_trainer"
 
@@ -46,25 +44,7 @@ def _wrap() -> None:
     core_algos.compute_gae_advantage_return = compute_gae_advantage_return
 
 
-class _AfterImport:
-    def find_spec(self, name, path=None, target=None):
-        if name != TARGET:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def patched(module):
-            exec_module(module)
-            _wrap()
-
-        spec.loader.exec_module = patched
-        return spec
-
-
 if os.environ.get("VERL_GAE_RECORD_DIR"):
-    if TARGET in sys.modules:
-        _wrap()
-    else:
-        sys.meta_path.insert(0, _AfterImport())
+    from verl_cpu_platform import after_import
+
+    after_import(TARGET, lambda _module: _wrap())
