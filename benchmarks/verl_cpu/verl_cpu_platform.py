@@ -21,6 +21,8 @@ import torch
 from verl.plugin.platform.platform_cuda import PlatformCUDA
 from verl.plugin.platform.platform_manager import PlatformRegistry
 
+from rlhf_fusion.integrations.verl.hooks import after_import
+
 
 class _CpuDeviceModule(ModuleType):
     """torch.cpu, plus the torch.cuda memory calls verl makes on its device module
@@ -176,45 +178,10 @@ def _plain_cpu_linear(layer: torch.nn.Module, remove_weight: bool) -> None:
     layer.cpu_linear = torch.nn.functional.linear
 
 
-class _AfterImport:
-    """Runs ``fn(module)`` right after ``name`` is imported, in whichever process imports it,
-    without importing it anywhere else."""
-
-    def __init__(self, name, fn):
-        self.name, self.fn = name, fn
-
-    def find_spec(self, name, path=None, target=None):
-        if name != self.name:
-            return None
-        import importlib.machinery
-
-        spec = importlib.machinery.PathFinder.find_spec(name, path)
-        if spec is None or spec.loader is None:
-            return spec
-        exec_module = spec.loader.exec_module
-
-        def patched(module):
-            exec_module(module)
-            self.fn(module)
-
-        spec.loader.exec_module = patched
-        return spec
-
-
-def after_import(name, fn):
-    """``fn(module)`` now if ``name`` is imported already, else right after its import."""
-    import sys
-
-    if name in sys.modules:
-        fn(sys.modules[name])
-    else:
-        sys.meta_path.insert(0, _AfterImport(name, fn))
-
-
 def _patch_vllm_linear(module):
     module.dispatch_cpu_unquantized_gemm = _plain_cpu_linear
 
 
 # vLLM's dispatch_cpu_unquantized_gemm, replaced once vLLM loads it (the rollout server's engine
-# workers; an engine worker imports vLLM before verl).
+# workers; an engine worker imports vLLM before verl), with the verl plugins' own import hook.
 after_import("vllm.model_executor.layers.utils", _patch_vllm_linear)

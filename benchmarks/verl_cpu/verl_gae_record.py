@@ -45,6 +45,6 @@ def _wrap() -> None:
 
 
 if os.environ.get("VERL_GAE_RECORD_DIR"):
-    from verl_cpu_platform import after_import
+    from rlhf_fusion.integrations.verl.hooks import after_import
 
     after_import(TARGET, lambda _module: _wrap())

@@ -90,6 +90,13 @@ def training_batch(exps: Sequence[Experience], advantages: Tensor, returns: Tens
     return {"input_ids": ids, "attention_mask": attn, "action_mask": act, **per_token}
 
 
+def per_token_mean(kl: Tensor, lengths: Tensor) -> float:
+    """``[B, R]`` masked per-token KL averaged over each response's ``[B]`` tokens, then over
+    the batch (verl's ``apply_kl_penalty``): what the adaptive KL controller steers towards
+    ``target_kl``."""
+    return float((kl.sum(1) / lengths.clamp(min=1)).mean())
+
+
 def rollout_metrics(rb: ResponseBatch, *, kl_coef: float, estimator: str) -> dict[str, float]:
     """TRL's ``objective/*`` metrics of one batch (per-sample sums, then the batch mean)."""
     m = rb.mask.to(torch.float64)
@@ -99,6 +106,7 @@ def rollout_metrics(rb: ResponseBatch, *, kl_coef: float, estimator: str) -> dic
     q = torch.quantile(lengths, torch.tensor([0.5, 0.9, 0.99], dtype=torch.float64))
     return {
         "objective/kl": float(kl.sum(1).mean()),
+        "objective/kl_per_token": per_token_mean(kl, lengths),
         "objective/entropy": float((-rb.logprobs * m).sum(1).mean()),
         "objective/non_score_reward": float(non_score.mean()),
         "objective/rlhf_reward": float((rb.scores + non_score).mean()),
@@ -110,10 +118,3 @@ def rollout_metrics(rb: ResponseBatch, *, kl_coef: float, estimator: str) -> dic
         "response_length/max": float(lengths.max()),
     }
 
-
-def kl_per_token(rb: ResponseBatch, estimator: str) -> float:
-    """The KL per token, averaged over each response, then over the batch (verl's
-    ``apply_kl_penalty``): what the adaptive KL controller steers towards ``target_kl``."""
-    m = rb.mask.to(torch.float64)
-    kl = kl_estimate(rb.logprobs, rb.ref_logprobs, estimator) * m  # type: ignore[arg-type]
-    return float((kl.sum(1) / m.sum(1).clamp(min=1)).mean())

@@ -74,13 +74,12 @@ def critic_free_batch(exps: Sequence[Experience], algo: ResolvedAlgorithm, *, kl
     a, r = tracker.finish(mask, token_rewards, gamma=algo.gamma)
     batch = adv.training_batch(exps, a, r, rb, pad_id=pad_id)
     lengths = mask.sum(1).to(torch.float64)
-    per_token_kl = (kl.sum(1) / lengths.clamp(min=1)).mean()
     groups = rb.scores.view(-1, algo.n) if len(exps) % algo.n == 0 else rb.scores[None]
     metrics = {
         "objective/scores": float(rb.scores.mean()),
         "objective/kl": float(kl.sum(1).mean()),
         "objective/rlhf_reward": float(scores.mean()),   # minus the in-reward KL, if any
-        "objective/kl_per_token": float(per_token_kl),
+        "objective/kl_per_token": adv.per_token_mean(kl, lengths),
         "objective/kl_coef": float(kl_coef),   # the controller's, for whichever KL term is on
         "response_length/mean": float(lengths.mean()),
         "response_length/max": float(lengths.max()),

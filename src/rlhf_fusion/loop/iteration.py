@@ -515,7 +515,6 @@ class PPOWorker:
                                           whiten_advantages=p.whiten_advantages)
         batch = adv.training_batch(exps, a, r, rb, pad_id=pad)
         metrics = adv.rollout_metrics(rb, kl_coef=coef, estimator=p.kl_estimator)
-        metrics["objective/kl_per_token"] = adv.kl_per_token(rb, p.kl_estimator)
         metrics["objective/kl_coef"] = float(self.kl.value)
         return batch, metrics
 
