@@ -20,6 +20,7 @@ from trl import GRPOConfig, RLOOConfig
 from rlhf_fusion.integrations.trl import FusedGRPOTrainer as GRPOTrainer
 from rlhf_fusion.integrations.trl import FusedRLOOTrainer as RLOOTrainer
 from rlhf_fusion.integrations.trl import FusionConfig
+from rlhf_fusion.launch import exit_promptly
 
 PROMPTS = [
     "Write a short sentence about the sea:",
@@ -114,10 +115,13 @@ def main() -> None:
         print(f"done: {trainer.state.global_step} steps ({counter.steps} in this launch), "
               f"reward {rewards[0]:.3f} -> "
               f"{rewards[-1]:.3f}, weights sha256 {digest.hexdigest()[:16]}")
-    # Tear the process group down before the interpreter exits: left to interpreter shutdown,
-    # gloo's threads occasionally abort a process after the run is done ("terminate called
-    # without an active exception", seen once in a 2-process stock RLOO run).
+    # Tear the process group down, then leave without the C++ teardown. DeepSpeed's engine and
+    # DDP's reducer keep their process groups, and gloo's threads, alive past
+    # destroy_process_group, and torch's static destructors at interpreter exit then abort a
+    # finished run now and then ("terminate called without an active exception": rank 1 of
+    # a ZeRO-2 launch in CI). Python's exit handlers still run.
     trainer.accelerator.end_training()
+    exit_promptly(0)
 
 
 if __name__ == "__main__":

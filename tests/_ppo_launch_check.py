@@ -28,6 +28,7 @@ from transformers import (
 from rlhf_fusion.integrations.trl import FusedPPOTrainer, FusionConfig, PPOConfig
 from rlhf_fusion.integrations.trl.rollout import left_pad, lm_forward
 from rlhf_fusion.integrations.trl.sharded import full_state_dict, sharding
+from rlhf_fusion.launch import exit_promptly
 
 
 def main() -> None:
@@ -100,6 +101,9 @@ def main() -> None:
     everyone = gather_object(records)
     if trainer.accelerator.is_main_process:
         print("checks: " + json.dumps(everyone))
+    # As examples/trl_ppo.py: no C++ teardown while DeepSpeed still holds its process groups.
+    trainer.accelerator.end_training()
+    exit_promptly(0)
 
 
 if __name__ == "__main__":

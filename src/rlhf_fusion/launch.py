@@ -118,9 +118,11 @@ class RunInterrupted(BaseException):
 
 
 def exit_promptly(code: int) -> NoReturn:
-    """End this process now, after a stop signal: Python's exit handlers run (multiprocessing's
-    clean-up among them), torch's C++ static destructors do not (seconds on a loaded
-    machine, and the process was asked to go)."""
+    """End this process now: Python's exit handlers run (multiprocessing's clean-up among
+    them), torch's C++ static destructors do not. After a stop signal they take seconds on a
+    loaded machine, and the process was asked to go. After a distributed run whose process
+    groups something still holds (DeepSpeed's engine, DDP's reducer), they can abort the
+    finished process while gloo's threads still run."""
     import atexit
 
     sys.stdout.flush()
