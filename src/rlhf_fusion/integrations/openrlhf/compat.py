@@ -9,19 +9,19 @@ from __future__ import annotations
 
 import hashlib
 import importlib
-import importlib.metadata
 import importlib.util
 import inspect
 import textwrap
 from pathlib import Path
 
 from ...errors import RLHFFusionError
+from .._versions import check_supported, installed, supported_text
 from .plugin_state import STOCK
 
 __all__ = ["SUPPORTED", "OpenRLHFVersionError", "check_seams", "check_version"]
 
 SUPPORTED = (">=0.11.2", "<0.12")  # verified against 0.11.2; the seams below guard the rest
-SUPPORTED_TEXT = "openrlhf>=0.11.2,<0.12"
+SUPPORTED_TEXT = supported_text("openrlhf", SUPPORTED)
 TRAIN_MODULE = "openrlhf.cli.train_ppo_ray"
 
 
@@ -30,25 +30,14 @@ class OpenRLHFVersionError(RLHFFusionError, RuntimeError):
 
 
 def installed_version() -> str:
-    try:
-        return importlib.metadata.version("openrlhf")
-    except importlib.metadata.PackageNotFoundError:
-        raise OpenRLHFVersionError(
-            f"OpenRLHF is not installed; pip install 'rlhf-fusion[openrlhf]' ({SUPPORTED_TEXT})"
-        ) from None
+    return installed("openrlhf", SUPPORTED, OpenRLHFVersionError)
 
 
 def check_version(version: str | None = None) -> str:
     """The installed (or given) OpenRLHF version if supported, else an OpenRLHFVersionError."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    version = installed_version() if version is None else version
-    if Version(version) not in SpecifierSet(",".join(SUPPORTED)):
-        raise OpenRLHFVersionError(
-            f"openrlhf {version} is not supported by rlhf_fusion.integrations.openrlhf; "
-            f"install {SUPPORTED_TEXT} (pip install 'openrlhf==0.11.2') or run OpenRLHF stock")
-    return version
+    return check_supported(
+        "openrlhf", installed_version() if version is None else version, SUPPORTED,
+        OpenRLHFVersionError, "pip install 'openrlhf==0.11.2' or run OpenRLHF stock")
 
 
 def _params(fn: object) -> list[str]:

@@ -7,39 +7,29 @@ reorders), so a verl that moved one fails here with its version, not with a wron
 
 from __future__ import annotations
 
-import importlib.metadata
 import inspect
 from typing import Any
 
+from .._versions import check_supported, installed, supported_text
 from .options import VerlPluginError
 
 __all__ = ["SUPPORTED_TEXT", "check_gae_call_site", "check_gae_seam", "check_overlap_seam", "check_tail_seam",
            "check_version", "installed_version"]
 
 SUPPORTED = (">=0.9.1", "<0.10")
-SUPPORTED_TEXT = "verl>=0.9.1,<0.10"
+SUPPORTED_TEXT = supported_text("verl", SUPPORTED)
 GAE_PARAMS = ["token_level_rewards", "values", "response_mask", "gamma", "lam"]
 
 
 def installed_version() -> str:
-    try:
-        return importlib.metadata.version("verl")
-    except importlib.metadata.PackageNotFoundError:
-        raise VerlPluginError(
-            f"verl is not installed; pip install 'rlhf-fusion[verl]' ({SUPPORTED_TEXT})") from None
+    return installed("verl", SUPPORTED, VerlPluginError)
 
 
 def check_version(version: str | None = None) -> str:
     """The installed (or given) verl version if supported, else a VerlPluginError."""
-    from packaging.specifiers import SpecifierSet
-    from packaging.version import Version
-
-    version = installed_version() if version is None else version
-    if Version(version) not in SpecifierSet(",".join(SUPPORTED)):
-        raise VerlPluginError(
-            f"verl {version} is not supported by rlhf_fusion.integrations.verl (verified with "
-            f"{SUPPORTED_TEXT}); install verl==0.9.1 or unset RLHF_FUSION_VERL to run verl stock")
-    return version
+    return check_supported(
+        "verl", installed_version() if version is None else version, SUPPORTED,
+        VerlPluginError, "install verl==0.9.1 or unset RLHF_FUSION_VERL to run verl stock")
 
 
 def _moved(version: str, what: str) -> VerlPluginError:
