@@ -33,8 +33,15 @@ def sharding(model: Any) -> str | None:
 
 
 def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
-    """``model``'s state dict with whole tensors; collective (every process calls it) when
-    the model is sharded."""
+    """``model``'s state dict (buffers and every tied name included, as ``plain_copy``'s
+    strict ``load_state_dict`` needs) with whole tensors; collective (every process calls it)
+    when the model is sharded.
+
+    FSDP2's parameters are DTensors like the runtime's own tp / ZeRO-3 layouts, so they are
+    gathered by :func:`rlhf_fusion.runtime.sharded_state.full_state_dict` (whole parameters,
+    tied ones once) and spread over the state dict's names by
+    :func:`rlhf_fusion.runtime.weight_sync.full_state`. DeepSpeed ZeRO-3's are plain tensors
+    holding a partition, which only DeepSpeed can gather: that branch is this module's own."""
     kind = sharding(model)
     if kind == "zero3":
         import deepspeed
@@ -42,10 +49,10 @@ def full_state_dict(model: Any) -> dict[str, torch.Tensor]:
         with deepspeed.zero.GatheredParameters(list(model.parameters())):
             return {k: v.detach().clone() for k, v in model.state_dict().items()}
     if kind == "fsdp2":
-        from torch.distributed.tensor import DTensor
+        from ...runtime.sharded_state import full_state_dict as whole_parameters
+        from ...runtime.weight_sync import full_state
 
-        return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach()
-                for k, v in model.state_dict().items()}
+        return full_state(model, whole_parameters(model))
     return model.state_dict()
 
 
