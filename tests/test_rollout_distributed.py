@@ -36,6 +36,7 @@ def test_two_ranks_fused_equals_serial_for_both_mechanisms():
         fused = out[0][k]["output"]
         ranks = fused.stats["ranks"]
         assert {st["mechanism"] for st in ranks} == {mech}
+        assert {st["board"] for st in ranks} == {"shared"}  # one host: the shared board
         moved = ranks[0]["moved"]
         assert moved, "the long tail of the freed rank must migrate"
         dest = ranks[0]["destinations"]
@@ -50,6 +51,21 @@ def test_two_ranks_fused_equals_serial_for_both_mechanisms():
         # Freed rank started inference before the destination finished generating.
         freed = 1 - dest[0]
         assert ranks[freed]["inference_start_s"] < ranks[dest[0]]["generation_end_s"]
+
+
+def test_ranks_that_cannot_share_memory_trigger_through_the_store():
+    """Rank 1 cannot open rank 0's board (another host): both trigger through the c10d store,
+    and the fused rollout still equals the serial one."""
+    configs = [RolloutConfig(fused=False), RolloutConfig(rt=6, mechanism="kv")]
+    out = [r.value for r in run_ranks(tiny_job_worker, 2, job(configs, no_board_ranks=(1,)),
+                                      collective_timeout=60)]
+    serial, fused = out[0][0]["output"], out[0][1]["output"]
+    assert {st["board"] for st in fused.stats["ranks"]} == {"store"}
+    assert fused.stats["ranks"][0]["moved"]
+    for a, b in zip(serial.experiences, fused.experiences, strict=True):
+        assert a.response_ids == b.response_ids
+        assert torch.max(torch.abs(a.ref_logprobs - b.ref_logprobs)).item() < 1e-9
+        assert abs(a.reward - b.reward) < 1e-9
 
 
 def failures(world, cfg, fault, timeout_s):

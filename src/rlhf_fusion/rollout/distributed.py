@@ -3,22 +3,24 @@
 Each rank is one generation instance (a GenerationBackend) that also holds the Ref, Reward and
 Critic models. Timeline of ``run_rollout`` on every rank, fused mode:
 
-1. **Generate and report.** Each rank decodes its shard and publishes its unfinished count in
-   the c10d store every ``report_every`` steps, without waiting for the others (a collective
-   here would lock every rank to the slowest one's step rate). The first rank that sees at most
-   R_t unfinished samples in total sets the trigger key; every rank polls it.
+1. **Generate and report.** Each rank decodes its shard and publishes its unfinished count,
+   without waiting for the others (a collective here would lock every rank to the slowest
+   one's step rate). On one host the counts sit in a shared board (:mod:`.board`), published
+   and read after every decode step; across hosts in the c10d store, every ``report_every``
+   steps. The first rank that sees at most R_t unfinished samples in total sets the trigger;
+   every rank checks it.
 2. **Plan.** One collective (``all_gather_object``) of every rank's progress; every rank then
    computes the same ``assign_migration`` plan: the m ranks with most samples left are the
    destinations, the rest are freed.
 3. **Migrate.** Sources export their unfinished samples ("kv" or "tokens") and send the tickets
    point-to-point; destinations import them and acknowledge. A source that gets no
    acknowledgement within the timeout raises ``MigrationError`` naming the destination.
-4. **Stream.** Every rank pushes the samples it finished before the trigger into a store
-   queue; destinations keep generating and push each sample as it finishes. Freed ranks pop
-   and score from the queue at once, so each long-tail sample is scored as soon as it ends; a
-   destination whose generation is over pops too and takes its share of the backlog.
-   Waiting consumers watch the destinations' heartbeats and raise ``CoordinatorTimeout`` naming
-   the silent rank after ``timeout_s``.
+4. **Stream.** Destinations push the samples they finished before the trigger into a store
+   queue, keep generating and push each sample as it finishes. Freed ranks score their own
+   finished samples first (no round trip), then pop and score from the queue, so each
+   long-tail sample is scored soon after it ends; a destination whose generation is over pops
+   too and takes its share of the backlog. Waiting consumers watch the destinations'
+   heartbeats and raise ``CoordinatorTimeout`` naming the silent rank after ``timeout_s``.
 5. **Assemble.** ``all_gather_object`` of everyone's experience; every rank returns the batch
    sorted by sample id, checked exactly-once.
 
@@ -44,6 +46,7 @@ import torch.distributed as dist
 
 from ..launch import note_stage
 from .backend import GenerationBackend
+from .board import NO_TRIGGER, SharedBoard
 from .config import RolloutConfig, check_rollout
 from .inference import Experience, InferenceModels
 from .local import RolloutOutput, assemble, moving, resolve_mode, shard_of, should_trigger
@@ -200,7 +203,7 @@ def run_rollout(
     else:
         assert rt is not None and m is not None
         with r.store_errors("generating until the trigger"):
-            _generate_until_trigger(r, backend, rt, done)
+            stats["board"] = _generate_until_trigger(r, backend, rt, done)
         stats["trigger_s"] = time.perf_counter() - t0
         note_stage("migration", 1)
         reports = r.gather([(p.sample_id, p.prompt_len, p.generated, p.max_new_tokens)
@@ -211,7 +214,7 @@ def run_rollout(
         if config.mechanism == "auto":
             mechanism = _auto_mechanism(assignment, progress, backend, config, kv_ok)
         stats.update(destinations=assignment.destinations, moved=assignment.moved_ids,
-                     mechanism=mechanism)
+                     mechanism=mechanism, plan_s=time.perf_counter() - t0)
         _migrate(r, backend, assignment, mechanism)
         # An engine may finish a sample between the report and the export (vLLM): it got no
         # ticket, so this rank must still collect it.
@@ -258,21 +261,80 @@ HEARTBEAT_CHECK_S = 0.05
 
 
 def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
-                            done: list[SampleResult]) -> None:
+                            done: list[SampleResult]) -> str:
     """Decode until at most ``rt`` samples are left over all ranks. Every rank heartbeats
     while it waits here, and a peer whose heartbeat stops for ``timeout_s`` ends the wait
     with an error naming it: the trigger is set by whichever rank sees the total first, so
-    without it a dead peer's count would hold every other rank here forever."""
+    without it a dead peer's count would hold every other rank here forever. Returns the
+    board used: ``"shared"`` (one host, :mod:`.board`) or ``"store"``."""
+    store = r.store
+    board_key = r.key("board")
+    board: SharedBoard | None
+    if r.rank == 0:
+        board = SharedBoard.create(r.world, r.rank)
+        store.set(board_key, board.path if board is not None else "")
+    else:
+        board = SharedBoard.attach(store.get(board_key).decode(), r.world, r.rank)
+    if board is not None:
+        board.publish(len(backend.unfinished()))
+    mine = r.key(f"unfinished/{r.rank}")
+    published = len(backend.unfinished())
+    store.set(mine, str(published))
+    store.set(r.key(f"alive/{r.rank}"), "0")
+    # Every count exists before anyone reads them, and every rank knows whether all opened
+    # the shared board (else all use the store).
+    shared = all(r.gather(board is not None, "start of generation"))
+    if board is not None and r.rank == 0:
+        board.unlink()
+    note_stage("generation until the migration trigger", 1)
+    try:
+        if shared:
+            assert board is not None
+            _until_trigger_shared(r, backend, rt, done, board)
+        else:
+            _until_trigger_store(r, backend, rt, done, published)
+    finally:
+        if board is not None:
+            board.close()
+    return "shared" if shared else "store"
+
+
+def _until_trigger_shared(r: _Rank, backend: GenerationBackend, rt: int,
+                          done: list[SampleResult], board: SharedBoard) -> None:
+    """The one-host board: publish and check after every decode step (memory accesses)."""
+    beats = {i: (0, time.perf_counter()) for i in range(r.world) if i != r.rank}
+    next_check = 0.0
+    idle = IDLE_POLL_MIN_S / 4
+    while True:
+        left = len(backend.unfinished())
+        if left:
+            done.extend(backend.step())
+            left = len(backend.unfinished())
+        else:
+            # Nothing to decode: the peers need the core more than a tight poll does.
+            time.sleep(idle)
+            idle = min(2 * idle, IDLE_POLL_MAX_S / 4)
+        board.publish(left)
+        if board.trigger() != NO_TRIGGER:
+            return
+        if should_trigger(board.total(), rt):
+            board.set_trigger()
+            return
+        now = time.perf_counter()
+        if now >= next_check:
+            _check_alive(r, beats, board.heartbeats(), now)
+            next_check = now + HEARTBEAT_CHECK_S
+
+
+def _until_trigger_store(r: _Rank, backend: GenerationBackend, rt: int,
+                         done: list[SampleResult], published: int) -> None:
+    """Ranks on several hosts: counts and heartbeats in the c10d store, read every
+    ``report_every`` steps (each read is a round trip to rank 0's process)."""
     store = r.store
     mine = r.key(f"unfinished/{r.rank}")
     keys = [r.key(f"unfinished/{i}") for i in range(r.world)]
     alive = [r.key(f"alive/{i}") for i in range(r.world)]
     trigger = r.key("trigger")
-    published = len(backend.unfinished())
-    store.set(mine, str(published))
-    store.set(alive[r.rank], "0")
-    r.gather(None, "start of generation")  # every count key exists before anyone reads them
-    note_stage("generation until the migration trigger", 1)
     beats = {i: ("0", time.perf_counter()) for i in range(r.world) if i != r.rank}
     last_hb = time.perf_counter()
     steps = 0
@@ -395,11 +457,16 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
         store.add(gen_done, 1)
         stats["generation_end_s"] = time.perf_counter() - t0
     else:
-        # Freed ranks share their finished samples too: a destination whose generation ends
-        # takes its part of the backlog instead of idling while one freed rank scores it all.
+        # A freed rank scores its own finished samples first, where they are: only it can,
+        # without a round trip through the store for each chunk and back. The destinations'
+        # samples wait in the queue for whichever rank is free first, a destination whose
+        # generation has ended included.
         results.extend(done)
-        push(done)
         stats["generation_end_s"] = stats.get("trigger_s")
+        if done:
+            stats["inference_start_s"] = time.perf_counter() - t0
+            if inference is not None:
+                exps.extend(inference.score(done))
     # Consume the shared stream until every destination is done and the stream is empty.
     beats = {d: (-1, time.perf_counter()) for d in plan.destinations}
     first_score = None
@@ -431,7 +498,7 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
             next_beat_check = now + HEARTBEAT_CHECK_S
         time.sleep(idle)
         idle = min(2 * idle, IDLE_POLL_MAX_S)
-    stats["inference_start_s"] = first_score
+    stats.setdefault("inference_start_s", first_score)
     stats["scored"] = len(exps)
     return results, exps
 

@@ -61,6 +61,9 @@ class TinyJob:
     warmup: bool = True
     return_outputs: bool = True
     fault: str | None = None
+    # Ranks that cannot open the one-host shared trigger board, as on another host: every
+    # rank of the rollout then uses the c10d store.
+    no_board_ranks: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.fault is not None and self.fault not in FAULTS:
@@ -80,6 +83,11 @@ def tiny_job_worker(rank: int, world: int, job: TinyJob) -> list[dict[str, Any]]
     Returns, per config, the rank's wall time (from a common barrier to the assembled batch),
     the stats, and, on rank 0 with ``return_outputs``, the output.
     """
+    if rank in job.no_board_ranks:
+        from ..rollout.board import SharedBoard
+
+        SharedBoard.create = SharedBoard.attach = classmethod(  # type: ignore[method-assign]
+            lambda cls, *a, **k: None)
     acfg, aseed = model_config(job.actor)
     backend = ReferenceBackend(build_causal_lm(acfg, aseed), instance_id=rank,
                                max_batch_size=job.bs_max,

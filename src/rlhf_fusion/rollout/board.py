@@ -1,0 +1,113 @@
+"""The trigger board of one rollout: every rank's unfinished count, heartbeat and the trigger.
+
+Inter-stage fusion migrates when at most R_t samples are still decoding over all ranks, so each
+rank must learn the others' counts while it decodes. Through the c10d store that is a round
+trip to rank 0's process per read (0.1-0.2 ms, more on a loaded CPU), which is why the store
+board reads only every ``report_every`` steps and the trigger lands late: on short completions
+the whole generation is a few dozen steps of under a millisecond each.
+
+When every rank of the rollout runs on one host (one node, the common case), they share a
+small file in ``/dev/shm`` instead: a read or a write is a memory access, so every rank
+publishes and checks after every decode step and the trigger fires on the step it should.
+Every slot has one writer (its rank), except the trigger, which any rank may set: whichever
+sets it, every rank stops at its next check. Ranks on several hosts poll the c10d store
+(:mod:`rlhf_fusion.rollout.distributed`).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+import uuid
+
+_SLOT = struct.Struct("<q")
+NO_TRIGGER = -1
+
+
+def shm_dir() -> str | None:
+    """``/dev/shm`` where the kernel offers it. Not a temporary directory instead: one on a
+    network file system would look shared to ranks on other hosts without being coherent."""
+    return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+class SharedBoard:
+    """The board in a shared file: slots ``[unfinished x world][heartbeat x world][trigger]``
+    of little-endian int64."""
+
+    def __init__(self, path: str, world: int, rank: int, *, create: bool) -> None:
+        self.path = path
+        self.world = world
+        self.rank = rank
+        size = _SLOT.size * (2 * world + 1)
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.buf = mmap.mmap(fd, size)
+        finally:
+            os.close(fd)
+        if create:
+            self._put(2 * world, NO_TRIGGER)
+        self._beats = 0
+
+    @classmethod
+    def create(cls, world: int, rank: int) -> SharedBoard | None:
+        """A new board under a unique name, or None without ``/dev/shm``."""
+        where = shm_dir()
+        if where is None:
+            return None
+        path = os.path.join(where, f"rlhf_fusion_board_{os.getpid()}_{uuid.uuid4().hex}")
+        try:
+            return cls(path, world, rank, create=True)
+        except OSError:
+            return None
+
+    @classmethod
+    def attach(cls, path: str, world: int, rank: int) -> SharedBoard | None:
+        """The board another rank created, or None when this rank cannot open it: it runs on
+        another host or in another mount namespace (the name is unique, so a file that opens
+        is that board)."""
+        if not path:
+            return None
+        try:
+            return cls(path, world, rank, create=False)
+        except OSError:
+            return None
+
+    def unlink(self) -> None:
+        """Remove the name once every rank has mapped the board; the mappings stay valid, and
+        nothing is left in /dev/shm if a rank dies later."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+
+    def _put(self, slot: int, value: int) -> None:
+        _SLOT.pack_into(self.buf, slot * _SLOT.size, value)
+
+    def _get(self, slot: int) -> int:
+        return _SLOT.unpack_from(self.buf, slot * _SLOT.size)[0]
+
+    def publish(self, unfinished: int) -> None:
+        """This rank's count, and a heartbeat (every publish is one)."""
+        self._put(self.rank, unfinished)
+        self._beats += 1
+        self._put(self.world + self.rank, self._beats)
+
+    def total(self) -> int:
+        return sum(self._get(i) for i in range(self.world))
+
+    def heartbeats(self) -> list[int]:
+        return [self._get(self.world + i) for i in range(self.world)]
+
+    def trigger(self) -> int:
+        """The rank that set the trigger, or :data:`NO_TRIGGER`."""
+        return self._get(2 * self.world)
+
+    def set_trigger(self) -> None:
+        self._put(2 * self.world, self.rank)
+
+    def close(self) -> None:
+        self.buf.close()
