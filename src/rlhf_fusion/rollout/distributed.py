@@ -186,7 +186,9 @@ def run_rollout(
     shard = [s for s in specs if shard_of(s.sample_id, r.world) == r.rank]
     backend.submit(shard)
     t0 = time.perf_counter()
-    stats: dict[str, Any] = {"rank": r.rank, "fused": config.fused, "rt": rt, "m": m}
+    # t0: perf_counter's clock is the host's monotonic clock, so one host's ranks' timelines
+    # line up through it.
+    stats: dict[str, Any] = {"rank": r.rank, "fused": config.fused, "rt": rt, "m": m, "t0": t0}
     done: list[SampleResult] = []
     assignment: MigrationAssignment | None = None
     if not migrates:
@@ -215,7 +217,7 @@ def run_rollout(
             mechanism = _auto_mechanism(assignment, progress, backend, config, kv_ok)
         stats.update(destinations=assignment.destinations, moved=assignment.moved_ids,
                      mechanism=mechanism, plan_s=time.perf_counter() - t0)
-        _migrate(r, backend, assignment, mechanism)
+        settle = _migrate(r, backend, assignment, mechanism)
         # An engine may finish a sample between the report and the export (vLLM): it got no
         # ticket, so this rank must still collect it.
         if r.rank not in assignment.destinations:
@@ -224,7 +226,7 @@ def run_rollout(
         stats["migration_end_s"] = time.perf_counter() - t0
         note_stage("streaming and scoring", 1)
         with r.store_errors("streaming finished samples"):
-            results, exps = _stream(r, backend, inference, assignment, done, t0, stats)
+            results, exps = _stream(r, backend, inference, assignment, done, t0, stats, settle)
     stats["local_end_s"] = time.perf_counter() - t0
     note_stage("assembling the experience batch", 1)
     gathered = r.gather((results, exps, stats), "the experience batch")
@@ -383,7 +385,13 @@ def _check_alive(r: _Rank, beats: dict[int, tuple[Any, float]], counts: Sequence
 
 
 def _migrate(r: _Rank, backend: GenerationBackend, plan: MigrationAssignment,
-             mechanism: str) -> None:
+             mechanism: str) -> Callable[[], None]:
+    """Send this rank's moving samples and import the ones sent to it. Returns ``settle``:
+    the waits for the destinations' acknowledgements and for the sends to complete. A source
+    calls it once it has scored its own finished samples, not before: waiting for the
+    acknowledgement first would hold its scoring back by the destination's import, on the
+    critical path of a short rollout; a destination that died still fails the source with a
+    ``MigrationError`` within the timeout."""
     sends = []
     mine = plan.moves.get(r.rank, {})
     for dst, ids in sorted(mine.items()):
@@ -412,18 +420,25 @@ def _migrate(r: _Rank, backend: GenerationBackend, plan: MigrationAssignment,
             backend.import_samples(tickets)
             ack = torch.tensor([len(tickets)], dtype=torch.int64)
             sends.append((dist.isend(ack, r.members[src], tag=_TAG_ACK), ack))
+    acks = []
     for dst, ids in sorted(mine.items()):
         ack = torch.zeros(1, dtype=torch.int64)
-        r.wait(dist.irecv(ack, r.members[dst], tag=_TAG_ACK),
-               f"waiting for destination rank {dst} to acknowledge {len(ids)} migrated samples",
-               dst, MigrationError)
-    for work, _ in sends:
-        r.wait(work, "completing a migration send", -1, MigrationError)
+        acks.append((dist.irecv(ack, r.members[dst], tag=_TAG_ACK), ack, dst, len(ids)))
+
+    def settle() -> None:
+        for work, _, dst, n in acks:
+            r.wait(work, f"waiting for destination rank {dst} to acknowledge {n} migrated "
+                   "samples", dst, MigrationError)
+        for work, _ in sends:
+            r.wait(work, "completing a migration send", -1, MigrationError)
+
+    return settle
 
 
 def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | None,
             plan: MigrationAssignment, done: list[SampleResult], t0: float,
-            stats: dict[str, Any]) -> tuple[list[SampleResult], list[Experience]]:
+            stats: dict[str, Any], settle: Callable[[], None]
+            ) -> tuple[list[SampleResult], list[Experience]]:
     store = r.store
     queue_key = r.key("stream")
     gen_done = r.key("generation_done")
@@ -467,6 +482,8 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
             stats["inference_start_s"] = time.perf_counter() - t0
             if inference is not None:
                 exps.extend(inference.score(done))
+            stats["own_scored_s"] = time.perf_counter() - t0
+    settle()
     # Consume the shared stream until every destination is done and the stream is empty.
     beats = {d: (-1, time.perf_counter()) for d in plan.destinations}
     first_score = None
