@@ -1,5 +1,6 @@
 """The one-host trigger board (rollout/board.py): what every rank reads is what the others
-wrote, through separate mappings of one file, as separate processes have."""
+wrote, through separate mappings of one file, as separate processes have; each rollout under
+its own sequence number."""
 
 from __future__ import annotations
 
@@ -12,24 +13,46 @@ from rlhf_fusion.rollout.board import NO_TRIGGER, SharedBoard, shm_dir
 pytestmark = pytest.mark.skipif(shm_dir() is None, reason="needs /dev/shm")
 
 
+def boards(world):
+    first = SharedBoard.create(world, 0)
+    rest = [SharedBoard.attach(first.path, world, i) for i in range(1, world)]
+    assert first is not None and all(b is not None for b in rest)
+    first.unlink()   # the ranks keep their mappings; nothing stays in /dev/shm
+    assert not os.path.exists(first.path)
+    return [first, *rest]
+
+
 def test_counts_heartbeats_and_trigger_cross_mappings():
-    a = SharedBoard.create(3, 0)
-    b = SharedBoard.attach(a.path, 3, 1)
-    c = SharedBoard.attach(a.path, 3, 2)
-    assert a is not None and b is not None and c is not None
-    a.unlink()   # the ranks keep their mappings; nothing stays in /dev/shm
-    assert not os.path.exists(a.path)
-    assert a.trigger() == NO_TRIGGER and c.total() == 0
+    a, b, c = boards(3)
+    for x in (a, b, c):
+        x.begin([6, 5, 4])
+    assert a.trigger() == NO_TRIGGER and c.total() == 15
     a.publish(5)
-    b.publish(4)
     b.publish(3)
     c.publish(2)
     assert a.total() == b.total() == c.total() == 5 + 3 + 2
-    assert a.heartbeats() == [1, 2, 1]
+    assert a.heartbeats() == [2, 2, 2]
     c.set_trigger()
     assert a.trigger() == b.trigger() == 2
     for x in (a, b, c):
         x.close()
+
+
+def test_a_rank_that_has_not_started_this_rollout_counts_as_its_whole_shard():
+    a, b = boards(2)
+    for x in (a, b):
+        x.begin([4, 4])
+        x.publish(0)
+    a.set_trigger()
+    # Rollout 2: rank 0 starts, rank 1 is still in the last one (its count and the old
+    # trigger are rollout 1's): neither its 0 nor the trigger may count.
+    a.begin([7, 3])
+    assert a.counts() == [7, 3] and a.trigger() == NO_TRIGGER
+    a.publish(2)
+    b.begin([7, 3])
+    assert b.counts() == [2, 3]
+    b.publish(1)
+    assert a.counts() == [2, 1] and a.total() == 3
 
 
 def test_a_board_this_rank_cannot_open_is_none():

@@ -1,16 +1,22 @@
-"""The trigger board of one rollout: every rank's unfinished count, heartbeat and the trigger.
+"""The trigger board of a group's rollouts: every rank's unfinished count, heartbeat and the
+trigger.
 
 Inter-stage fusion migrates when at most R_t samples are still decoding over all ranks, so each
 rank must learn the others' counts while it decodes. Through the c10d store that is a round
 trip to rank 0's process per read (0.1-0.2 ms, more on a loaded CPU), which is why the store
 board reads only every ``report_every`` steps and the trigger lands late: on short completions
-the whole generation is a few dozen steps of under a millisecond each.
+the whole generation is a few dozen steps of about a millisecond each.
 
-When every rank of the rollout runs on one host (one node, the common case), they share a
-small file in ``/dev/shm`` instead: a read or a write is a memory access, so every rank
-publishes and checks after every decode step and the trigger fires on the step it should.
-Every slot has one writer (its rank), except the trigger, which any rank may set: whichever
-sets it, every rank stops at its next check. Ranks on several hosts poll the c10d store
+When every rank of the group runs on one host (one node, the common case), they share a small
+file in ``/dev/shm`` instead: a read or a write is a memory access, so every rank publishes
+and checks after every decode step and the trigger fires on the step it should. The board
+lives as long as the group and serves every rollout, each under its own sequence number: a
+rollout starts without any collective or store traffic, as the serial one does. A count
+written under an older number is a rank that has not started this rollout yet; it counts as
+its whole shard. Each count and the trigger are one 64-bit word, sequence number and value
+together, so a reader never pairs one rollout's number with another's value. Every slot has
+one writer (its rank), except the trigger, which any rank may set: whichever sets it, every
+rank stops at its next check. Ranks on several hosts poll the c10d store
 (:mod:`rlhf_fusion.rollout.distributed`).
 """
 
@@ -20,8 +26,11 @@ import mmap
 import os
 import struct
 import uuid
+from collections.abc import Sequence
 
-_SLOT = struct.Struct("<q")
+_WORD = struct.Struct("<q")
+_VALUE_BITS = 32
+_VALUE_MASK = (1 << _VALUE_BITS) - 1
 NO_TRIGGER = -1
 
 
@@ -32,24 +41,24 @@ def shm_dir() -> str | None:
 
 
 class SharedBoard:
-    """The board in a shared file: slots ``[unfinished x world][heartbeat x world][trigger]``
-    of little-endian int64."""
+    """The board in a shared file: words ``[count x world][heartbeat x world][trigger]``;
+    a count is ``seq << 32 | unfinished``, the trigger ``seq << 32 | rank + 1``."""
 
     def __init__(self, path: str, world: int, rank: int, *, create: bool) -> None:
         self.path = path
         self.world = world
         self.rank = rank
-        size = _SLOT.size * (2 * world + 1)
+        size = _WORD.size * (2 * world + 1)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
             if create:
-                os.ftruncate(fd, size)
+                os.ftruncate(fd, size)   # zeros: sequence number 0, before any rollout
             self.buf = mmap.mmap(fd, size)
         finally:
             os.close(fd)
-        if create:
-            self._put(2 * world, NO_TRIGGER)
+        self.seq = 0
+        self.shards: list[int] = [0] * world
         self._beats = 0
 
     @classmethod
@@ -85,29 +94,47 @@ class SharedBoard:
             pass
 
     def _put(self, slot: int, value: int) -> None:
-        _SLOT.pack_into(self.buf, slot * _SLOT.size, value)
+        _WORD.pack_into(self.buf, slot * _WORD.size, value)
 
     def _get(self, slot: int) -> int:
-        return _SLOT.unpack_from(self.buf, slot * _SLOT.size)[0]
+        return _WORD.unpack_from(self.buf, slot * _WORD.size)[0]
+
+    def begin(self, shards: Sequence[int]) -> None:
+        """The next rollout, where rank ``i`` starts with ``shards[i]`` samples to decode.
+        Every rank of the group calls it once per rollout, so their numbers agree."""
+        if len(shards) != self.world:
+            raise ValueError(f"{len(shards)} shard sizes for a board of {self.world} ranks")
+        self.seq += 1
+        self.shards = list(shards)
+        self.publish(self.shards[self.rank])
 
     def publish(self, unfinished: int) -> None:
-        """This rank's count, and a heartbeat (every publish is one)."""
-        self._put(self.rank, unfinished)
+        """This rank's count in this rollout, and a heartbeat (every publish is one)."""
+        self._put(self.rank, self.seq << _VALUE_BITS | unfinished)
         self._beats += 1
         self._put(self.world + self.rank, self._beats)
 
+    def counts(self) -> list[int]:
+        """Every rank's unfinished count in this rollout (its shard if it has not started)."""
+        out = []
+        for i in range(self.world):
+            word = self._get(i)
+            out.append(word & _VALUE_MASK if word >> _VALUE_BITS == self.seq else self.shards[i])
+        return out
+
     def total(self) -> int:
-        return sum(self._get(i) for i in range(self.world))
+        return sum(self.counts())
 
     def heartbeats(self) -> list[int]:
         return [self._get(self.world + i) for i in range(self.world)]
 
     def trigger(self) -> int:
-        """The rank that set the trigger, or :data:`NO_TRIGGER`."""
-        return self._get(2 * self.world)
+        """The rank that set this rollout's trigger, or :data:`NO_TRIGGER`."""
+        word = self._get(2 * self.world)
+        return (word & _VALUE_MASK) - 1 if word >> _VALUE_BITS == self.seq else NO_TRIGGER
 
     def set_trigger(self) -> None:
-        self._put(2 * self.world, self.rank)
+        self._put(2 * self.world, self.seq << _VALUE_BITS | self.rank + 1)
 
     def close(self) -> None:
         self.buf.close()

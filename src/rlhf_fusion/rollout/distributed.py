@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import contextlib
 import pickle
-import queue
-import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -207,7 +205,9 @@ def run_rollout(
     else:
         assert rt is not None and m is not None
         with r.store_errors("generating until the trigger"):
-            stats["board"] = _generate_until_trigger(r, backend, rt, done)
+            stats["board"] = _generate_until_trigger(
+                r, backend, rt, done,
+                [sum(shard_of(i, r.world) == k for i in ids) for k in range(r.world)])
         stats["trigger_s"] = time.perf_counter() - t0
         note_stage("migration", 1)
         reports = r.gather([(p.sample_id, p.prompt_len, p.generated, p.max_new_tokens)
@@ -264,49 +264,67 @@ IDLE_POLL_MAX_S = 0.008
 HEARTBEAT_CHECK_S = 0.05
 
 
-def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
-                            done: list[SampleResult]) -> str:
-    """Decode until at most ``rt`` samples are left over all ranks. Every rank heartbeats
-    while it waits here, and a peer whose heartbeat stops for ``timeout_s`` ends the wait
-    with an error naming it: the trigger is set by whichever rank sees the total first, so
-    without it a dead peer's count would hold every other rank here forever. Returns the
-    board used: ``"shared"`` (one host, :mod:`.board`) or ``"store"``."""
-    store = r.store
-    board_key = r.key("board")
+# The shared board of each process group this process rolls out in, set up by the group's
+# first fused rollout (None: some rank cannot open it, the group uses the store). Keyed by the
+# group object, kept alive here so that a group made after this one is destroyed never finds
+# its board.
+_BOARDS: dict[int, tuple[Any, SharedBoard | None]] = {}
+
+
+def _shared_board(r: _Rank) -> SharedBoard | None:
+    """This group's board, agreed on once (one store round trip and one all-gather): rank 0
+    creates it, every other rank opens it, and all use it only if all could."""
+    pg = r.group if r.group is not None else dist.group.WORLD
+    hit = _BOARDS.get(id(pg))
+    if hit is not None and hit[0] is pg:
+        return hit[1]
+    key = r.key("board")
     board: SharedBoard | None
     if r.rank == 0:
         board = SharedBoard.create(r.world, r.rank)
-        store.set(board_key, board.path if board is not None else "")
+        r.store.set(key, board.path if board is not None else "")
     else:
-        board = SharedBoard.attach(store.get(board_key).decode(), r.world, r.rank)
+        board = SharedBoard.attach(r.store.get(key).decode(), r.world, r.rank)
+    shared = all(r.gather(board is not None, "whether every rank opened the shared board"))
     if board is not None:
-        board.publish(len(backend.unfinished()))
-    mine = r.key(f"unfinished/{r.rank}")
-    published = len(backend.unfinished())
-    store.set(mine, str(published))
-    store.set(r.key(f"alive/{r.rank}"), "0")
-    # Every count exists before anyone reads them, and every rank knows whether all opened
-    # the shared board (else all use the store).
-    shared = all(r.gather(board is not None, "start of generation"))
-    if board is not None and r.rank == 0:
-        board.unlink()
-    note_stage("generation until the migration trigger", 1)
-    try:
-        if shared:
-            assert board is not None
-            _until_trigger_shared(r, backend, rt, done, board)
-        else:
-            _until_trigger_store(r, backend, rt, done, published)
-    finally:
-        if board is not None:
+        if r.rank == 0:
+            board.unlink()
+        if not shared:
             board.close()
-    return "shared" if shared else "store"
+            board = None
+    _BOARDS[id(pg)] = (pg, board)
+    return board
+
+
+def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
+                            done: list[SampleResult], shards: Sequence[int]) -> str:
+    """Decode until at most ``rt`` samples are left over all ranks (``shards``: every rank's
+    samples at the start). Every rank heartbeats while it waits here, and a peer whose
+    heartbeat stops for ``timeout_s`` ends the wait with an error naming it: the trigger is
+    set by whichever rank sees the total first, so without it a dead peer's count would hold
+    every other rank here forever. Returns the board used: ``"shared"`` (one host,
+    :mod:`.board`, no collective at the start) or ``"store"``."""
+    board = _shared_board(r)
+    if board is not None:
+        board.begin(shards)
+        note_stage("generation until the migration trigger", 1)
+        _until_trigger_shared(r, backend, rt, done, board)
+        return "shared"
+    store = r.store
+    published = len(backend.unfinished())
+    store.set(r.key(f"unfinished/{r.rank}"), str(published))
+    store.set(r.key(f"alive/{r.rank}"), "0")
+    r.gather(None, "start of generation")  # every count key exists before anyone reads them
+    note_stage("generation until the migration trigger", 1)
+    _until_trigger_store(r, backend, rt, done, published)
+    return "store"
 
 
 def _until_trigger_shared(r: _Rank, backend: GenerationBackend, rt: int,
                           done: list[SampleResult], board: SharedBoard) -> None:
     """The one-host board: publish and check after every decode step (memory accesses)."""
-    beats = {i: (0, time.perf_counter()) for i in range(r.world) if i != r.rank}
+    start, hb = time.perf_counter(), board.heartbeats()
+    beats = {i: (hb[i], start) for i in range(r.world) if i != r.rank}
     next_check = 0.0
     idle = IDLE_POLL_MIN_S / 4
     while True:
@@ -444,48 +462,6 @@ def _migrate(r: _Rank, backend: GenerationBackend, plan: MigrationAssignment,
     return settle
 
 
-class _Pusher:
-    """A destination's queue pushes, made from a thread so that its decoding never waits on
-    them: each push is a round trip to the store that rank 0's process serves, and when rank
-    0 is a freed rank busy scoring, that server thread waits for a core (milliseconds per
-    push, on the long tail's critical path, measured). TCPStore serialises a client's
-    operations, so the heartbeats the main thread sends stay safe. ``close`` flushes (within
-    ``timeout_s``) and re-raises a push's error."""
-
-    def __init__(self, store: Any, key: str, timeout_s: float) -> None:
-        self.store = store
-        self.key = key
-        self.timeout_s = timeout_s
-        self.items: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, name="rlhf_fusion-stream-push",
-                                       daemon=True)
-        self.thread.start()
-
-    def put(self, item: bytes) -> None:
-        if self.error is not None:
-            raise self.error
-        self.items.put(item)
-
-    def _run(self) -> None:
-        while (item := self.items.get()) is not None:
-            try:
-                self.store.queue_push(self.key, item)
-            except BaseException as exc:  # noqa: BLE001 - re-raised by put/close
-                self.error = exc
-                return
-
-    def close(self) -> None:
-        self.items.put(None)
-        self.thread.join(self.timeout_s)
-        if self.error is not None:
-            raise self.error
-        if self.thread.is_alive():
-            raise CoordinatorTimeout(
-                f"pushing finished samples to the c10d store (served by rank 0) did not finish "
-                f"within {self.timeout_s:g}s; rank 0 died or hung")
-
-
 def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | None,
             plan: MigrationAssignment, done: list[SampleResult], t0: float,
             stats: dict[str, Any], settle: Callable[[], None]
@@ -497,33 +473,28 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
     exps: list[Experience] = []
     results: list[SampleResult] = []
 
+    def push(samples: Sequence[SampleResult]) -> None:
+        # One queue item per chunk of up to a micro-batch, not per sample: every push and pop
+        # is a round trip to the store that rank 0's process serves.
+        for i in range(0, len(samples), micro):
+            store.queue_push(queue_key, pickle.dumps(list(samples[i: i + micro])))
+
     if r.rank in plan.destinations:
         results.extend(done)
-        pusher = _Pusher(store, queue_key, r.timeout.total_seconds())
-
-        def push(samples: Sequence[SampleResult]) -> None:
-            # One queue item per chunk of up to a micro-batch, not per sample: every push and
-            # pop is a round trip to the store that rank 0's process serves.
-            for i in range(0, len(samples), micro):
-                pusher.put(pickle.dumps(list(samples[i: i + micro])))
-
         push(done)
         hb = r.key(f"heartbeat/{r.rank}")
         last_hb = 0.0
         steps = 0
-        try:
-            while backend.unfinished():
-                finished = backend.step()
-                results.extend(finished)
-                push(finished)
-                steps += 1
-                r.fault("streaming_step", steps)
-                now = time.perf_counter()
-                if now - last_hb >= r.cfg.heartbeat_s:
-                    store.add(hb, 1)
-                    last_hb = now
-        finally:
-            pusher.close()
+        while backend.unfinished():
+            finished = backend.step()
+            results.extend(finished)
+            push(finished)
+            steps += 1
+            r.fault("streaming_step", steps)
+            now = time.perf_counter()
+            if now - last_hb >= r.cfg.heartbeat_s:
+                store.add(hb, 1)
+                last_hb = now
         store.add(gen_done, 1)
         stats["generation_end_s"] = time.perf_counter() - t0
     else:
