@@ -130,6 +130,27 @@ class _Rank:
                 f"rank 0 died or the network failed ({exc})"
             ) from exc
 
+    def gather_rows(self, rows: Sequence[Sequence[int]], width: int, capacity: int,
+                    what: str) -> list[list[tuple[int, ...]]]:
+        """Every rank's ``rows`` (at most ``capacity`` of ``width`` ints each): one all-gather
+        of a fixed-size tensor, where ``gather`` pickles and needs two (sizes, then bytes)."""
+        if len(rows) > capacity:
+            raise RolloutError(f"rank {self.rank}: {len(rows)} rows of {what}, more than the "
+                               f"{capacity} every rank reserved")
+        mine = torch.full((capacity + 1, width), -1, dtype=torch.int64)
+        mine[0, 0] = len(rows)
+        if rows:
+            mine[1: len(rows) + 1] = torch.tensor(rows, dtype=torch.int64)
+        out = [torch.empty_like(mine) for _ in range(self.world)]
+        try:
+            dist.all_gather(out, mine, group=self.group)
+        except Exception as exc:
+            raise CoordinatorTimeout(
+                f"rank {self.rank}: all-gather of {what} failed within the "
+                f"{self.cfg.timeout_s:g}s timeout; a peer died or hung ({exc})"
+            ) from exc
+        return [[tuple(x) for x in t[1: int(t[0, 0]) + 1].tolist()] for t in out]
+
     def gather(self, obj: Any, what: str) -> list[Any]:
         out: list[Any] = [None] * self.world
         try:
@@ -184,6 +205,7 @@ def run_rollout(
         if config.mechanism != "auto":
             mechanism = resolve_mode(config.mechanism, kv_ok)
     shard = [s for s in specs if shard_of(s.sample_id, r.world) == r.rank]
+    shards = [sum(shard_of(i, r.world) == k for i in ids) for k in range(r.world)]
     backend.submit(shard)
     t0 = time.perf_counter()
     # t0: perf_counter's clock is the host's monotonic clock, so one host's ranks' timelines
@@ -205,13 +227,14 @@ def run_rollout(
     else:
         assert rt is not None and m is not None
         with r.store_errors("generating until the trigger"):
-            stats["board"] = _generate_until_trigger(
-                r, backend, rt, done,
-                [sum(shard_of(i, r.world) == k for i in ids) for k in range(r.world)])
+            stats["board"] = _generate_until_trigger(r, backend, rt, done, shards)
         stats["trigger_s"] = time.perf_counter() - t0
         note_stage("migration", 1)
-        reports = r.gather([(p.sample_id, p.prompt_len, p.generated, p.max_new_tokens)
-                            for p in backend.progress()], "progress reports at the trigger")
+        # At the trigger a rank holds at most its own shard (nothing has migrated yet).
+        reports = r.gather_rows([(p.sample_id, p.prompt_len, p.generated, p.max_new_tokens)
+                                 for p in backend.progress()], 4, max(shards),
+                                "progress reports at the trigger")
+        stats["reports_s"] = time.perf_counter() - t0
         progress = {i: moving(SampleProgress(*x) for x in rep) for i, rep in enumerate(reports)}
         assignment = assign_migration(progress, m, bs_max=bs_max,
                                       kv_capacity_tokens=config.kv_capacity_tokens)
@@ -235,6 +258,7 @@ def run_rollout(
     all_results = assemble((x for g in gathered for x in g[0]), ids, "results")
     all_exps = (assemble((x for g in gathered for x in g[1]), ids, "experience batch")
                 if inference is not None else None)
+    assembled = time.perf_counter() - t0
     if r.rank == 0:
         for k in list(r._keys):
             try:
@@ -242,7 +266,7 @@ def run_rollout(
             except Exception:
                 pass  # best effort: the keys are namespaced per run anyway
     return RolloutOutput(all_results, all_exps, assignment, None,
-                         {"ranks": [g[2] for g in gathered],
+                         {"ranks": [g[2] for g in gathered], "assembled_s": assembled,
                           "seconds": time.perf_counter() - t0})
 
 
