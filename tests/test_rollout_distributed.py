@@ -68,10 +68,11 @@ def test_ranks_that_cannot_share_memory_trigger_through_the_store():
         assert abs(a.reward - b.reward) < 1e-9
 
 
-def failures(world, cfg, fault, timeout_s):
+def failures(world, cfg, fault, timeout_s, no_board_ranks=()):
     """Every rank's outcome of a rollout with ``fault`` injected: (dead rank, {rank: result})."""
     with pytest.raises(DistributedRunError) as info:
-        run_ranks(tiny_job_worker, world, job([cfg], warmup=False, fault=fault),
+        run_ranks(tiny_job_worker, world, job([cfg], warmup=False, fault=fault,
+                                              no_board_ranks=no_board_ranks),
                   collective_timeout=timeout_s, timeout=timeout_s + 60)
     failed = info.value.failed
     code = {"kill_destination_during_migration": 17, "kill_destination_while_streaming": 18}
@@ -80,9 +81,13 @@ def failures(world, cfg, fault, timeout_s):
     return dead[0], failed
 
 
-def test_destination_dying_during_migration_is_a_clear_error_within_the_timeout():
+@pytest.mark.parametrize("board", ["shared", "store"])
+def test_destination_dying_during_migration_is_a_clear_error_within_the_timeout(board):
+    """One host: the tickets go through files beside the shared board, and the source sees
+    the destination's process gone; across hosts (``store``): gloo point-to-point."""
     cfg = RolloutConfig(rt=8, mechanism="kv", timeout_s=8)
-    dead, failed = failures(2, cfg, "kill_destination_during_migration", 8)
+    dead, failed = failures(2, cfg, "kill_destination_during_migration", 8,
+                            no_board_ranks=(1,) if board == "store" else ())
     (alive,) = [r for r in failed if r != dead]
     res = failed[alive]
     assert res.error_type == "MigrationError", res

@@ -41,14 +41,15 @@ def shm_dir() -> str | None:
 
 
 class SharedBoard:
-    """The board in a shared file: words ``[count x world][heartbeat x world][trigger]``;
-    a count is ``seq << 32 | unfinished``, the trigger ``seq << 32 | rank + 1``."""
+    """The board in a shared file: words ``[count x world][heartbeat x world][pid x world]
+    [trigger]``; a count is ``seq << 32 | unfinished``, the trigger ``seq << 32 | rank + 1``.
+    The pids let a rank tell at once that a peer on its host has died (:meth:`alive`)."""
 
     def __init__(self, path: str, world: int, rank: int, *, create: bool) -> None:
         self.path = path
         self.world = world
         self.rank = rank
-        size = _WORD.size * (2 * world + 1)
+        size = _WORD.size * (3 * world + 1)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
@@ -60,6 +61,7 @@ class SharedBoard:
         self.seq = 0
         self.shards: list[int] = [0] * world
         self._beats = 0
+        self._put(2 * world + rank, os.getpid())
 
     @classmethod
     def create(cls, world: int, rank: int) -> SharedBoard | None:
@@ -130,11 +132,29 @@ class SharedBoard:
 
     def trigger(self) -> int:
         """The rank that set this rollout's trigger, or :data:`NO_TRIGGER`."""
-        word = self._get(2 * self.world)
+        word = self._get(3 * self.world)
         return (word & _VALUE_MASK) - 1 if word >> _VALUE_BITS == self.seq else NO_TRIGGER
 
     def set_trigger(self) -> None:
-        self._put(2 * self.world, self.seq << _VALUE_BITS | self.rank + 1)
+        self._put(3 * self.world, self.seq << _VALUE_BITS | self.rank + 1)
+
+    def alive(self, rank: int) -> bool:
+        """Whether rank ``rank``'s process still exists (it is on this host)."""
+        pid = self._get(2 * self.world + rank)
+        if pid <= 0:
+            return True   # not attached yet: nothing to say
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+    def mailbox(self, name: str) -> str:
+        """A path for a message between this board's ranks (``name`` unique per rollout,
+        e.g. ``f"m{seq}.{src}.{dst}"``): next to the board, in the same /dev/shm."""
+        return f"{self.path}.{name}"
 
     def close(self) -> None:
         self.buf.close()

@@ -35,6 +35,7 @@ gloo ranks (tests, benchmarks).
 from __future__ import annotations
 
 import contextlib
+import os
 import pickle
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -242,7 +243,9 @@ def run_rollout(
             mechanism = _auto_mechanism(assignment, progress, backend, config, kv_ok)
         stats.update(destinations=assignment.destinations, moved=assignment.moved_ids,
                      mechanism=mechanism, plan_s=time.perf_counter() - t0)
-        settle = _migrate(r, backend, assignment, mechanism)
+        board = _shared_board(r) if stats["board"] == "shared" else None
+        settle = (_migrate(r, backend, assignment, mechanism) if board is None else
+                  _migrate_shared(r, backend, assignment, mechanism, board))
         # An engine may finish a sample between the report and the export (vLLM): it got no
         # ticket, so this rank must still collect it.
         if r.rank not in assignment.destinations:
@@ -484,6 +487,71 @@ def _migrate(r: _Rank, backend: GenerationBackend, plan: MigrationAssignment,
                    "samples", dst, MigrationError)
 
     return settle
+
+
+def _migrate_shared(r: _Rank, backend: GenerationBackend, plan: MigrationAssignment,
+                    mechanism: str, board: SharedBoard) -> Callable[[], None]:
+    """:func:`_migrate` for ranks on one host: each source writes its tickets for a
+    destination to a file beside the board (renamed into place, so it appears whole), the
+    destination reads it and renames it ``.ack``, its acknowledgement. No gloo round trips:
+    their wake-ups took 0.3 ms at the median and 4 ms at the 90th percentile here, several
+    per migration, on the long tail's critical path. A peer whose process is gone is noticed
+    at once (the board's pids); one that hangs, after ``timeout_s``."""
+    sent = []
+    for dst, ids in sorted(plan.moves.get(r.rank, {}).items()):
+        tickets = backend.export_samples(ids, mode=mechanism)  # type: ignore[arg-type]
+        ints, floats = pack_tickets(tickets)
+        hdr = header(0, len(tickets), ints, floats)
+        path = board.mailbox(f"m{board.seq}.{r.rank}.{dst}")
+        with open(path + ".part", "wb") as f:
+            for t in (hdr, ints, floats.to(torch.float64)):
+                f.write(t.numpy().tobytes())
+        os.rename(path + ".part", path)
+        sent.append((path, dst, len(ids)))
+    if r.rank in plan.destinations:
+        for src in plan.incoming(r.rank):
+            path = board.mailbox(f"m{board.seq}.{src}.{r.rank}")
+            _await_file(r, board, path, src, f"receiving migrated samples from source rank {src}")
+            r.fault("tickets_received", src)
+            with open(path, "rb") as f:
+                data = f.read()
+            os.rename(path, path + ".ack")
+            n, n_int, n_flt = torch.frombuffer(bytearray(data[8:32]), dtype=torch.int64).tolist()
+            ints = torch.frombuffer(bytearray(data[32: 32 + 8 * n_int]), dtype=torch.int64)
+            floats = torch.frombuffer(bytearray(data[32 + 8 * n_int:]), dtype=torch.float64)
+            if floats.numel() != n_flt:
+                raise MigrationError(f"rank {r.rank}: the tickets from source rank {src} hold "
+                                     f"{floats.numel()} floats, their header says {n_flt}")
+            backend.import_samples(unpack_tickets(n, ints, floats))
+
+    def settle() -> None:
+        try:
+            for path, dst, n in sent:
+                _await_file(r, board, path + ".ack", dst,
+                            f"waiting for destination rank {dst} to acknowledge {n} migrated "
+                            "samples")
+                os.unlink(path + ".ack")
+        finally:
+            for path, _, _ in sent:   # a dead destination's unread tickets
+                for p in (path, path + ".part"):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(p)
+
+    return settle
+
+
+def _await_file(r: _Rank, board: SharedBoard, path: str, peer: int, what: str) -> None:
+    deadline = time.perf_counter() + r.cfg.timeout_s
+    idle = 2e-5
+    while not os.path.exists(path):
+        if not board.alive(peer):
+            raise MigrationError(f"rank {r.rank}: {what} (peer rank {peer}) failed: its process "
+                                 f"is gone; rank {peer} died or hung")
+        if time.perf_counter() > deadline:
+            raise MigrationError(f"rank {r.rank}: {what} (peer rank {peer}) failed within the "
+                                 f"{r.cfg.timeout_s:g}s timeout; rank {peer} died or hung")
+        time.sleep(idle)
+        idle = min(2 * idle, 1e-3)
 
 
 def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | None,
