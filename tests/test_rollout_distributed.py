@@ -95,9 +95,13 @@ def test_destination_dying_during_migration_is_a_clear_error_within_the_timeout(
     assert "acknowledge" in res.error and "died or hung" in res.error
 
 
-def test_destination_dying_while_streaming_is_detected_by_the_freed_rank():
+@pytest.mark.parametrize("board", ["shared", "store"])
+def test_destination_dying_while_streaming_is_detected_by_the_freed_rank(board):
+    """One host: the board's pid says the process is gone; across hosts: its heartbeat in
+    the store stops."""
     cfg = RolloutConfig(rt=8, mechanism="kv", timeout_s=4, heartbeat_s=0.2)
-    dead, failed = failures(2, cfg, "kill_destination_while_streaming", 4)
+    dead, failed = failures(2, cfg, "kill_destination_while_streaming", 4,
+                            no_board_ranks=(1,) if board == "store" else ())
     (alive,) = [r for r in failed if r != dead]
     res = failed[alive]
     assert res.error_type == "CoordinatorTimeout", res

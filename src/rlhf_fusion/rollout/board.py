@@ -42,14 +42,15 @@ def shm_dir() -> str | None:
 
 class SharedBoard:
     """The board in a shared file: words ``[count x world][heartbeat x world][pid x world]
-    [trigger]``; a count is ``seq << 32 | unfinished``, the trigger ``seq << 32 | rank + 1``.
+    [done x world][trigger]``; a count is ``seq << 32 | unfinished``, a done word
+    ``seq << 32 | 1`` once the rank's generation is over, the trigger ``seq << 32 | rank + 1``.
     The pids let a rank tell at once that a peer on its host has died (:meth:`alive`)."""
 
     def __init__(self, path: str, world: int, rank: int, *, create: bool) -> None:
         self.path = path
         self.world = world
         self.rank = rank
-        size = _WORD.size * (3 * world + 1)
+        size = _WORD.size * (4 * world + 1)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
@@ -113,8 +114,18 @@ class SharedBoard:
     def publish(self, unfinished: int) -> None:
         """This rank's count in this rollout, and a heartbeat (every publish is one)."""
         self._put(self.rank, self.seq << _VALUE_BITS | unfinished)
+        self.beat()
+
+    def beat(self) -> None:
         self._beats += 1
         self._put(self.world + self.rank, self._beats)
+
+    def set_done(self) -> None:
+        """This rank's generation in this rollout is over."""
+        self._put(3 * self.world + self.rank, self.seq << _VALUE_BITS | 1)
+
+    def done(self, rank: int) -> bool:
+        return self._get(3 * self.world + rank) == self.seq << _VALUE_BITS | 1
 
     def counts(self) -> list[int]:
         """Every rank's unfinished count in this rollout (its shard if it has not started)."""
@@ -132,11 +143,11 @@ class SharedBoard:
 
     def trigger(self) -> int:
         """The rank that set this rollout's trigger, or :data:`NO_TRIGGER`."""
-        word = self._get(3 * self.world)
+        word = self._get(4 * self.world)
         return (word & _VALUE_MASK) - 1 if word >> _VALUE_BITS == self.seq else NO_TRIGGER
 
     def set_trigger(self) -> None:
-        self._put(3 * self.world, self.seq << _VALUE_BITS | self.rank + 1)
+        self._put(4 * self.world, self.seq << _VALUE_BITS | self.rank + 1)
 
     def alive(self, rank: int) -> bool:
         """Whether rank ``rank``'s process still exists (it is on this host)."""
