@@ -58,3 +58,23 @@ def test_a_rank_that_has_not_started_this_rollout_counts_as_its_whole_shard():
 def test_a_board_this_rank_cannot_open_is_none():
     assert SharedBoard.attach("", 2, 1) is None
     assert SharedBoard.attach(os.path.join(shm_dir(), "rlhf_fusion_board_gone"), 2, 1) is None
+
+
+def test_a_dead_jobs_messages_are_swept_when_a_new_board_is_made():
+    import subprocess
+    import sys
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    left = os.path.join(shm_dir(), f"rlhf_fusion_board_{dead}_0123abcd.r3.1")
+    live = os.path.join(shm_dir(), f"rlhf_fusion_board_{os.getpid()}_0123abcd.r3.1")
+    for p in (left, live):
+        with open(p, "wb") as f:
+            f.write(b"x")
+    board = SharedBoard.create(2, 0)
+    try:
+        assert not os.path.exists(left) and os.path.exists(live)
+    finally:
+        board.unlink()
+        board.close()
+        os.unlink(live)

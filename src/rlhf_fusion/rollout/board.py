@@ -22,6 +22,7 @@ rank stops at its next check. Ranks on several hosts poll the c10d store
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import struct
@@ -38,6 +39,26 @@ def shm_dir() -> str | None:
     """``/dev/shm`` where the kernel offers it. Not a temporary directory instead: one on a
     network file system would look shared to ranks on other hosts without being coherent."""
     return "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else None
+
+
+_PREFIX = "rlhf_fusion_board_"
+
+
+def sweep(where: str) -> None:
+    """Remove the messages a killed job left beside its board (a rank that died before its
+    clean-up): every name carries the pid of the rank that created the board, and a board
+    whose creator is gone has no reader left."""
+    for name in os.listdir(where):
+        if not name.startswith(_PREFIX):
+            continue
+        try:
+            pid = int(name[len(_PREFIX):].split("_", 1)[0])
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(where, name))
+        except (ValueError, PermissionError):
+            pass
 
 
 class SharedBoard:
@@ -70,7 +91,8 @@ class SharedBoard:
         where = shm_dir()
         if where is None:
             return None
-        path = os.path.join(where, f"rlhf_fusion_board_{os.getpid()}_{uuid.uuid4().hex}")
+        sweep(where)
+        path = os.path.join(where, f"{_PREFIX}{os.getpid()}_{uuid.uuid4().hex}")
         try:
             return cls(path, world, rank, create=True)
         except OSError:

@@ -235,10 +235,14 @@ def run_rollout(
             stats["board"] = _generate_until_trigger(r, backend, rt, done, shards)
         stats["trigger_s"] = time.perf_counter() - t0
         note_stage("migration", 1)
-        # At the trigger a rank holds at most its own shard (nothing has migrated yet).
-        reports = r.gather_rows([(p.sample_id, p.prompt_len, p.generated, p.max_new_tokens)
-                                 for p in backend.progress()], 4, max(shards),
-                                "progress reports at the trigger")
+        rows = [(p.sample_id, p.prompt_len, p.generated, p.max_new_tokens)
+                for p in backend.progress()]
+        board = _shared_board(r) if stats["board"] == "shared" else None
+        if board is not None:
+            reports = _exchange_reports(r, board, rows)
+        else:
+            # At the trigger a rank holds at most its own shard (nothing has migrated yet).
+            reports = r.gather_rows(rows, 4, max(shards), "progress reports at the trigger")
         stats["reports_s"] = time.perf_counter() - t0
         progress = {i: moving(SampleProgress(*x) for x in rep) for i, rep in enumerate(reports)}
         assignment = assign_migration(progress, m, bs_max=bs_max,
@@ -247,7 +251,6 @@ def run_rollout(
             mechanism = _auto_mechanism(assignment, progress, backend, config, kv_ok)
         stats.update(destinations=assignment.destinations, moved=assignment.moved_ids,
                      mechanism=mechanism, plan_s=time.perf_counter() - t0)
-        board = _shared_board(r) if stats["board"] == "shared" else None
         settle = (_migrate(r, backend, assignment, mechanism) if board is None else
                   _migrate_shared(r, backend, assignment, mechanism, board))
         # An engine may finish a sample between the report and the export (vLLM): it got no
@@ -267,6 +270,11 @@ def run_rollout(
     all_exps = (assemble((x for g in gathered for x in g[1]), ids, "experience batch")
                 if inference is not None else None)
     assembled = time.perf_counter() - t0
+    if stats.get("board") == "shared":   # every rank has read this rank's progress report
+        board = _shared_board(r)
+        assert board is not None
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(board.mailbox(f"r{board.seq}.{r.rank}"))
     if r.rank == 0:
         for k in list(r._keys):
             try:
@@ -545,16 +553,38 @@ def _migrate_shared(r: _Rank, backend: GenerationBackend, plan: MigrationAssignm
     return settle
 
 
-def _await_file(r: _Rank, board: SharedBoard, path: str, peer: int, what: str) -> None:
+def _exchange_reports(r: _Rank, board: SharedBoard, rows: Sequence[tuple[int, ...]]
+                      ) -> list[list[tuple[int, ...]]]:
+    """Every rank's progress rows at the trigger, through files beside the board (written
+    whole and renamed into place, as the migration's): no gloo wake-ups. ``run_rollout``
+    removes this rank's file after the final all-gather, when every peer has read it."""
+    own = board.mailbox(f"r{board.seq}.{r.rank}")
+    with open(own + ".part", "wb") as f:
+        f.write(torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).numpy().tobytes())
+    os.rename(own + ".part", own)
+    out = []
+    for i in range(r.world):
+        path = board.mailbox(f"r{board.seq}.{i}")
+        _await_file(r, board, path, i, "waiting for its progress report at the trigger",
+                    CoordinatorTimeout)
+        with open(path, "rb") as f:
+            data = f.read()
+        out.append([tuple(x) for x in torch.frombuffer(bytearray(data), dtype=torch.int64)
+                    .reshape(-1, 4).tolist()] if data else [])
+    return out
+
+
+def _await_file(r: _Rank, board: SharedBoard, path: str, peer: int, what: str,
+                exc_type: type[RolloutError] = MigrationError) -> None:
     deadline = time.perf_counter() + r.cfg.timeout_s
     idle = 2e-5
     while not os.path.exists(path):
         if not board.alive(peer):
-            raise MigrationError(f"rank {r.rank}: {what} (peer rank {peer}) failed: its process "
-                                 f"is gone; rank {peer} died or hung")
+            raise exc_type(f"rank {r.rank}: {what} (peer rank {peer}) failed: its process "
+                           f"is gone; rank {peer} died or hung")
         if time.perf_counter() > deadline:
-            raise MigrationError(f"rank {r.rank}: {what} (peer rank {peer}) failed within the "
-                                 f"{r.cfg.timeout_s:g}s timeout; rank {peer} died or hung")
+            raise exc_type(f"rank {r.rank}: {what} (peer rank {peer}) failed within the "
+                           f"{r.cfg.timeout_s:g}s timeout; rank {peer} died or hung")
         time.sleep(idle)
         idle = min(2 * idle, 1e-3)
 
