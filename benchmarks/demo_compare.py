@@ -1,8 +1,12 @@
-"""The README's demo figure: ``rlhf-fusion demo --compare`` (fused and ``--serial`` as
+"""The README's demo figures: ``rlhf-fusion demo --compare`` (fused and ``--serial`` as
 alternating pairs of the default demo), copied into ``results/demo_compare.{json,md}``,
-``results/demo_compare.png`` (per-stage breakdown) and ``results/demo_timeline.png``.
+``results/demo_compare.png`` (per-stage breakdown) and ``results/demo_timeline.png``; with
+``--algo grpo``, ``rlhf-fusion demo --algo grpo --compare`` (fused and serial workers
+interleaved iteration by iteration in the same processes) into
+``results/demo_compare_grpo.{json,md,png}``.
 
     OMP_NUM_THREADS=1 python benchmarks/demo_compare.py --pairs 3
+    OMP_NUM_THREADS=1 python benchmarks/demo_compare.py --algo grpo --pairs 3
 
 Load averages are recorded before and after every run: run it on a quiet machine (load below
 1 at the start) for the README.
@@ -21,11 +25,44 @@ from _harness import RESULTS_DIR, write_results
 from rlhf_fusion.loop.compare import STAGES, compare
 
 
+def grpo(pairs: int, iterations: int) -> None:
+    from rlhf_fusion.loop.demo_grpo import compare_grpo
+
+    with tempfile.TemporaryDirectory(prefix="demo-compare-grpo-") as tmp:
+        s = compare_grpo(tmp, pairs=pairs, iterations=iterations)
+        shutil.copy(Path(tmp) / "compare.png", Path(RESULTS_DIR) / "demo_compare_grpo.png")
+    rows = []
+    for r in s["pairs"]:
+        f, se = r["fused"], r["serial"]
+        b = r["bound"]
+        rows.append([r["pair"], r["first"], f"{f['rollout_s']:.2f}", f"{se['rollout_s']:.2f}",
+                     f"**{r['rollout_ratio']:.2f}x**", "-" if b is None else f"{b:.2f}x",
+                     f"{r['training_ratio']:.2f}x", f"{r['iteration_ratio']:.2f}x",
+                     f"{f['load_before']:.1f}-{f['load_after']:.1f}"])
+    write_results(
+        "demo_compare_grpo",
+        {**s, "command": "OMP_NUM_THREADS=1 python benchmarks/demo_compare.py "
+         + " ".join(sys.argv[1:])},
+        [("rlhf-fusion demo --algo grpo --compare: fused and serial interleaved",
+          ["pair", "first", "fused rollout s", "serial rollout s", "rollout serial/fused",
+           "simulator's bound", "training (same work)", "iteration", "load (1 min)"], rows)],
+        notes=[f"median rollout serial/fused {s['median_rollout_ratio']:.2f}x, simulator's "
+               f"bound {s['median_bound']:.2f}x; bar ({s['bar']}, no pair below 1.0x): "
+               f"{'met' if s['bar_met'] else 'not met'}. Rewards equal in every iteration."],
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--algo", choices=("ppo", "grpo"), default="ppo")
     ap.add_argument("--pairs", type=int, default=3)
-    ap.add_argument("--iterations", type=int, default=24)
+    ap.add_argument("--iterations", type=int, default=None,
+                    help="default: 24 (ppo), 40 (grpo), as the demo's")
     args = ap.parse_args()
+    if args.algo == "grpo":
+        grpo(args.pairs, args.iterations or 40)
+        return
+    args.iterations = args.iterations or 24
     with tempfile.TemporaryDirectory(prefix="demo-compare-") as tmp:
         s = compare(tmp, pairs=args.pairs, iterations=args.iterations)
         for src, dst in (("compare.png", "demo_compare.png"), ("timeline.png", "demo_timeline.png")):

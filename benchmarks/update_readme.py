@@ -271,6 +271,26 @@ def demo() -> str:
     )
 
 
+def demo_grpo() -> str:
+    """``benchmarks/demo_compare.py --algo grpo`` (``rlhf-fusion demo --algo grpo --compare``)."""
+    d = json.loads((RESULTS / "demo_compare_grpo.json").read_text())
+    dev = d["device"]
+    loads = [x for r in d["pairs"] for x in (r["fused"]["load_before"], r["fused"]["load_after"])]
+    per = ", ".join(f"{r['rollout_ratio']:.2f}x" for r in d["pairs"])
+    bounds = ", ".join(f"{r['bound']:.2f}x" for r in d["pairs"] if r["bound"] is not None)
+    return (
+        f"`rlhf-fusion demo --algo grpo --compare` ({len(d['pairs'])} runs of {d['iterations']} "
+        f"iterations, fused and serial workers interleaved in the same 2 processes, {dev['cpu']}, "
+        f"{dev['cpu_cores']} cores, 1-minute load {min(loads):.1f}-{max(loads):.1f}): rollout "
+        f"(generation + Ref and reward scoring) serial/fused **{d['median_rollout_ratio']:.2f}x** "
+        f"(median; every run: {per}) against the simulator's bound for the runs' own lengths "
+        f"and timings ({bounds}); rewards equal in every iteration. Issue 37's bar for this "
+        f"workload ({d['bar']}, no run below 1.0x): "
+        f"{'met' if d['bar_met'] else '**not met**'}. Per-stage seconds: "
+        "`benchmarks/results/demo_compare_grpo.md`, `demo_compare_grpo.png`."
+    )
+
+
 def inject(text: str, name: str, body: str) -> str:
     pattern = re.compile(rf"(<!-- {name}:begin -->\n).*?(<!-- {name}:end -->)", re.S)
     if not pattern.search(text):
@@ -286,6 +306,8 @@ def main() -> None:
     text = inject(text, "others", others())
     if (RESULTS / "demo_compare.json").exists():
         text = inject(text, "demo", demo())
+    if (RESULTS / "demo_compare_grpo.json").exists():
+        text = inject(text, "demo_grpo", demo_grpo())
     readme.write_text(text)
     print(f"updated {readme}")
 

@@ -5,24 +5,33 @@ Critic models. Timeline of ``run_rollout`` on every rank, fused mode:
 
 1. **Generate and report.** Each rank decodes its shard and publishes its unfinished count,
    without waiting for the others (a collective here would lock every rank to the slowest
-   one's step rate). On one host the counts sit in a shared board (:mod:`.board`), published
-   and read after every decode step; across hosts in the c10d store, every ``report_every``
-   steps. The first rank that sees at most R_t unfinished samples in total sets the trigger;
-   every rank checks it.
-2. **Plan.** One collective (``all_gather_object``) of every rank's progress; every rank then
-   computes the same ``assign_migration`` plan: the m ranks with most samples left are the
-   destinations, the rest are freed.
-3. **Migrate.** Sources export their unfinished samples ("kv" or "tokens") and send the tickets
-   point-to-point; destinations import them and acknowledge. A source that gets no
-   acknowledgement within the timeout raises ``MigrationError`` naming the destination.
-4. **Stream.** Destinations push the samples they finished before the trigger into a store
-   queue, keep generating and push each sample as it finishes. Freed ranks score their own
-   finished samples first (no round trip), then pop and score from the queue, so each
-   long-tail sample is scored soon after it ends; a destination whose generation is over pops
-   too and takes its share of the backlog. Waiting consumers watch the destinations'
-   heartbeats and raise ``CoordinatorTimeout`` naming the silent rank after ``timeout_s``.
+   one's step rate). The first rank that sees at most R_t unfinished samples in total sets
+   the trigger; every rank checks it.
+2. **Plan.** Every rank's progress reaches every rank; each computes the same
+   ``assign_migration`` plan: the m ranks with most samples left are the destinations, the
+   rest are freed.
+3. **Migrate.** Sources export their unfinished samples ("kv" or "tokens") and send the
+   tickets; destinations import them and acknowledge. A source waits for the acknowledgement
+   only after it has scored its own finished samples, and raises ``MigrationError`` naming a
+   destination that never acknowledges.
+4. **Stream.** Destinations put the samples they finished before the trigger into the stream
+   in whole micro-batches, keep generating and add the rest as they finish. Freed ranks score
+   their own finished samples first (they are where they are), then take and score chunks
+   from the stream; a destination whose generation is over takes its share too. Waiting
+   consumers watch the destinations' heartbeats and raise ``CoordinatorTimeout`` naming a
+   silent (or, on one host, dead) rank.
 5. **Assemble.** ``all_gather_object`` of everyone's experience; every rank returns the batch
    sorted by sample id, checked exactly-once.
+
+Two transports carry steps 1-4. When every rank of the group runs on one host, the group's
+shared board (:mod:`.board`, set up by its first fused rollout) holds the counts, heartbeats,
+pids and the trigger, written and read after every decode step, and the progress reports,
+tickets and stream chunks are files beside it in ``/dev/shm`` (written whole, renamed into
+place; a consumer claims a chunk by renaming it): no collective at the start, no gloo
+round trip or store request on the way, which on a short rollout cost more than fusion gains
+(``benchmarks/results/grpo_demo_compare_analysis.md``). Across hosts the c10d store carries
+the counts (every ``report_every`` steps), heartbeats and stream queue, gloo the progress
+(one all-gather) and the tickets (point-to-point). Each rank's stats say which (``board``).
 
 Serial mode: generate the shard, wait for every rank to finish (inference cannot start before
 the last sample ends), score the own shard, assemble. Same models, same numbers.
