@@ -37,6 +37,7 @@ def test_two_ranks_fused_equals_serial_for_both_mechanisms():
         ranks = fused.stats["ranks"]
         assert {st["mechanism"] for st in ranks} == {mech}
         assert {st["board"] for st in ranks} == {"shared"}  # one host: the shared board
+        assert [t for st in ranks for t in st.get("tickets", [])] == ["file"]
         moved = ranks[0]["moved"]
         assert moved, "the long tail of the freed rank must migrate"
         dest = ranks[0]["destinations"]
@@ -51,6 +52,22 @@ def test_two_ranks_fused_equals_serial_for_both_mechanisms():
         # Freed rank started inference before the destination finished generating.
         freed = 1 - dest[0]
         assert ranks[freed]["inference_start_s"] < ranks[dest[0]]["generation_end_s"]
+
+
+def test_tickets_too_large_for_dev_shm_go_over_gloo_on_one_host():
+    """A KV cache can outgrow /dev/shm (64 MB in a Docker container): its tickets go over
+    gloo, announced by a header-only file, and the rollout still equals the serial one."""
+    configs = [RolloutConfig(fused=False), RolloutConfig(rt=6, mechanism="kv")]
+    out = [r.value for r in run_ranks(tiny_job_worker, 2, job(configs, shm_ticket_max_bytes=64),
+                                      collective_timeout=60)]
+    serial, fused = out[0][0]["output"], out[0][1]["output"]
+    ranks = fused.stats["ranks"]
+    assert {st["board"] for st in ranks} == {"shared"}
+    assert [t for st in ranks for t in st.get("tickets", [])] == ["gloo"]
+    assert ranks[0]["moved"]
+    for a, b in zip(serial.experiences, fused.experiences, strict=True):
+        assert a.response_ids == b.response_ids
+        assert torch.max(torch.abs(a.ref_logprobs - b.ref_logprobs)).item() < 1e-9
 
 
 def test_ranks_that_cannot_share_memory_trigger_through_the_store():

@@ -140,6 +140,16 @@ class _Rank:
                 f"rank 0 died or the network failed ({exc})"
             ) from exc
 
+    @contextlib.contextmanager
+    def collective(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except Exception as exc:
+            raise CoordinatorTimeout(
+                f"rank {self.rank}: all-gather of {what} failed within the "
+                f"{self.cfg.timeout_s:g}s timeout; a peer died or hung ({exc})"
+            ) from exc
+
     def gather_rows(self, rows: Sequence[Sequence[int]], width: int, capacity: int,
                     what: str) -> list[list[tuple[int, ...]]]:
         """Every rank's ``rows`` (at most ``capacity`` of ``width`` ints each): one all-gather
@@ -152,24 +162,14 @@ class _Rank:
         if rows:
             mine[1: len(rows) + 1] = torch.tensor(rows, dtype=torch.int64)
         out = [torch.empty_like(mine) for _ in range(self.world)]
-        try:
+        with self.collective(what):
             dist.all_gather(out, mine, group=self.group)
-        except Exception as exc:
-            raise CoordinatorTimeout(
-                f"rank {self.rank}: all-gather of {what} failed within the "
-                f"{self.cfg.timeout_s:g}s timeout; a peer died or hung ({exc})"
-            ) from exc
         return [[tuple(x) for x in t[1: int(t[0, 0]) + 1].tolist()] for t in out]
 
     def gather(self, obj: Any, what: str) -> list[Any]:
         out: list[Any] = [None] * self.world
-        try:
+        with self.collective(what):
             dist.all_gather_object(out, obj, group=self.group)
-        except Exception as exc:
-            raise CoordinatorTimeout(
-                f"rank {self.rank}: all-gather of {what} failed within the "
-                f"{self.cfg.timeout_s:g}s timeout; a peer died or hung ({exc})"
-            ) from exc
         return out
 
 
@@ -257,7 +257,7 @@ def run_rollout(
         stats.update(destinations=assignment.destinations, moved=assignment.moved_ids,
                      mechanism=mechanism, plan_s=time.perf_counter() - t0)
         settle = (_migrate(r, backend, assignment, mechanism) if board is None else
-                  _migrate_shared(r, backend, assignment, mechanism, board))
+                  _migrate_shared(r, backend, assignment, mechanism, board, stats))
         # An engine may finish a sample between the report and the export (vLLM): it got no
         # ticket, so this rank must still collect it.
         if r.rank not in assignment.destinations:
@@ -437,16 +437,17 @@ def _until_trigger_store(r: _Rank, backend: GenerationBackend, rt: int,
         _check_alive(r, beats, values[r.world:], now)
 
 
-def _check_alive(r: _Rank, beats: dict[int, tuple[Any, float]], counts: Sequence[Any],
-                 now: float) -> None:
+def _check_alive(r: _Rank, beats: dict[int, tuple[Any, float]], counts: Any, now: float,
+                 doing: str = "waiting for the migration trigger") -> None:
+    """``beats``: per watched rank, its last heartbeat count and since when; ``counts``: the
+    counts now, indexed by rank."""
     for i, (last, since) in beats.items():
         if counts[i] != last:
             beats[i] = (counts[i], now)
         elif now - since > r.cfg.timeout_s:
             raise CoordinatorTimeout(
                 f"rank {r.rank}: generation rank {i} sent no heartbeat for {now - since:.1f}s "
-                f"(timeout {r.cfg.timeout_s:g}s) while waiting for the migration trigger; "
-                f"rank {i} died or hung")
+                f"(timeout {r.cfg.timeout_s:g}s) while {doing}; rank {i} died or hung")
 
 
 def _migrate(r: _Rank, backend: GenerationBackend, plan: MigrationAssignment,
@@ -507,25 +508,47 @@ def _migrate(r: _Rank, backend: GenerationBackend, plan: MigrationAssignment,
     return settle
 
 
+# Tickets larger than this, or than half of what /dev/shm has free, go over gloo even on one
+# host (the file then holds only their header): a KV cache can be gigabytes, and /dev/shm is
+# often small (64 MB by default in a Docker container).
+SHM_TICKET_MAX_BYTES = 1 << 30
+_IN_FILE, _OVER_GLOO = 0, 1
+
+
 def _migrate_shared(r: _Rank, backend: GenerationBackend, plan: MigrationAssignment,
-                    mechanism: str, board: SharedBoard) -> Callable[[], None]:
+                    mechanism: str, board: SharedBoard, stats: dict[str, Any]
+                    ) -> Callable[[], None]:
     """:func:`_migrate` for ranks on one host: each source writes its tickets for a
     destination to a file beside the board (renamed into place, so it appears whole), the
     destination reads it and renames it ``.ack``, its acknowledgement. No gloo round trips:
     their wake-ups took 0.3 ms at the median and 4 ms at the 90th percentile here, several
     per migration, on the long tail's critical path. A peer whose process is gone is noticed
-    at once (the board's pids); one that hangs, after ``timeout_s``."""
+    at once (the board's pids); one that hangs, after ``timeout_s``. Tickets too large for
+    /dev/shm go over gloo, announced by a header-only file."""
     sent = []
+    sends = []
     for dst, ids in sorted(plan.moves.get(r.rank, {}).items()):
         tickets = backend.export_samples(ids, mode=mechanism)  # type: ignore[arg-type]
         ints, floats = pack_tickets(tickets)
-        hdr = header(0, len(tickets), ints, floats)
+        floats = floats.to(torch.float64)
         path = board.mailbox(f"m{board.seq}.{r.rank}.{dst}")
-        with open(path + ".part", "wb") as f:
-            for t in (hdr, ints, floats.to(torch.float64)):
-                f.write(t.numpy().tobytes())
-        os.rename(path + ".part", path)
+        kind = _IN_FILE if _fits_in_shm(path, 8 * (4 + ints.numel() + floats.numel())) \
+            else _OVER_GLOO
+        try:
+            _write_whole(path, header(kind, len(tickets), ints, floats),
+                         *((ints, floats) if kind == _IN_FILE else ()))
+        except OSError:   # /dev/shm filled up meanwhile
+            kind = _OVER_GLOO
+            _write_whole(path, header(kind, len(tickets), ints, floats))
+        if kind == _OVER_GLOO:
+            for off, t in ((1, ints), (2, floats)):
+                if t.numel():
+                    sends.append((dist.isend(t, r.members[dst], tag=_TAG_TICKETS + off), t))
+        stats.setdefault("tickets", []).append("file" if kind == _IN_FILE else "gloo")
         sent.append((path, dst, len(ids)))
+    for work, _ in sends:   # as in _migrate: before scoring, or the sends starve
+        r.wait(work, "sending migrated samples over gloo (too large for /dev/shm)", -1,
+               MigrationError)
     if r.rank in plan.destinations:
         for src in plan.incoming(r.rank):
             path = board.mailbox(f"m{board.seq}.{src}.{r.rank}")
@@ -533,13 +556,24 @@ def _migrate_shared(r: _Rank, backend: GenerationBackend, plan: MigrationAssignm
             r.fault("tickets_received", src)
             with open(path, "rb") as f:
                 data = f.read()
-            os.rename(path, path + ".ack")
-            n, n_int, n_flt = torch.frombuffer(bytearray(data[8:32]), dtype=torch.int64).tolist()
-            ints = torch.frombuffer(bytearray(data[32: 32 + 8 * n_int]), dtype=torch.int64)
-            floats = torch.frombuffer(bytearray(data[32 + 8 * n_int:]), dtype=torch.float64)
-            if floats.numel() != n_flt:
+            kind, n, n_int, n_flt = torch.frombuffer(bytearray(data[:32]),
+                                                     dtype=torch.int64).tolist()
+            if kind == _OVER_GLOO:
+                ints = torch.zeros(n_int, dtype=torch.int64)
+                floats = torch.zeros(n_flt, dtype=torch.float64)
+                for off, t in ((1, ints), (2, floats)):
+                    if t.numel():
+                        r.wait(dist.irecv(t, r.members[src], tag=_TAG_TICKETS + off),
+                               f"receiving migrated samples from source rank {src} over gloo",
+                               src, MigrationError)
+            else:
+                ints = torch.frombuffer(bytearray(data[32: 32 + 8 * n_int]), dtype=torch.int64)
+                floats = torch.frombuffer(bytearray(data[32 + 8 * n_int:]), dtype=torch.float64)
+            if floats.numel() != n_flt or ints.numel() != n_int:
                 raise MigrationError(f"rank {r.rank}: the tickets from source rank {src} hold "
-                                     f"{floats.numel()} floats, their header says {n_flt}")
+                                     f"{ints.numel()} ints and {floats.numel()} floats, their "
+                                     f"header says {n_int} and {n_flt}")
+            os.rename(path, path + ".ack")
             backend.import_samples(unpack_tickets(n, ints, floats))
 
     def settle() -> None:
@@ -558,15 +592,31 @@ def _migrate_shared(r: _Rank, backend: GenerationBackend, plan: MigrationAssignm
     return settle
 
 
+def _fits_in_shm(path: str, nbytes: int) -> bool:
+    st = os.statvfs(os.path.dirname(path))
+    return nbytes <= min(SHM_TICKET_MAX_BYTES, st.f_bavail * st.f_frsize // 2)
+
+
+def _write_whole(path: str, *tensors: torch.Tensor) -> None:
+    """``path`` appears whole or not at all (written aside, then renamed)."""
+    try:
+        with open(path + ".part", "wb") as f:
+            for t in tensors:
+                f.write(t.numpy().tobytes())
+    except OSError:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path + ".part")
+        raise
+    os.rename(path + ".part", path)
+
+
 def _exchange_reports(r: _Rank, board: SharedBoard, rows: Sequence[tuple[int, ...]]
                       ) -> list[list[tuple[int, ...]]]:
     """Every rank's progress rows at the trigger, through files beside the board (written
     whole and renamed into place, as the migration's): no gloo wake-ups. ``run_rollout``
     removes this rank's file after the final all-gather, when every peer has read it."""
     own = board.mailbox(f"r{board.seq}.{r.rank}")
-    with open(own + ".part", "wb") as f:
-        f.write(torch.tensor(rows, dtype=torch.int64).reshape(-1, 4).numpy().tobytes())
-    os.rename(own + ".part", own)
+    _write_whole(own, torch.tensor(rows, dtype=torch.int64).reshape(-1, 4))
     out = []
     for i in range(r.world):
         path = board.mailbox(f"r{board.seq}.{i}")
@@ -650,7 +700,7 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
     settle()
     # Consume the shared stream until every destination is done and the stream is empty.
     beats: dict[int, tuple[Any, float]] = {
-        d: (-1, time.perf_counter()) for d in plan.destinations}
+        d: (-1, time.perf_counter()) for d in plan.destinations if d != r.rank}
     first_score = None
     # An idle consumer backs off (doubling up to a cap) and checks heartbeats every
     # HEARTBEAT_CHECK_S: through the store every poll is requests that rank 0's process
@@ -672,7 +722,7 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
             break
         now = time.perf_counter()
         if now >= next_beat_check:
-            chan.check(plan.destinations, beats)
+            chan.check(beats)
             next_beat_check = now + HEARTBEAT_CHECK_S
         time.sleep(idle)
         idle = min(2 * idle, chan.idle_max)
@@ -711,21 +761,11 @@ class _StoreStream:
         return (int(self.r.store.add(self.gen_done, 0)) >= len(destinations)
                 and self.r.store.queue_len(self.queue) == 0)
 
-    def check(self, destinations: Sequence[int], beats: dict[int, tuple[Any, float]]) -> None:
+    def check(self, beats: dict[int, tuple[Any, float]]) -> None:
         r = self.r
-        now = time.perf_counter()
-        for d in destinations:
-            if d == r.rank:
-                continue
-            count = int(r.store.add(r.key(f"heartbeat/{d}"), 0))
-            last, since = beats[d]
-            if count != last:
-                beats[d] = (count, now)
-            elif now - since > r.cfg.timeout_s:
-                raise CoordinatorTimeout(
-                    f"rank {r.rank}: generation rank {d} sent no heartbeat for "
-                    f"{now - since:.1f}s (timeout {r.cfg.timeout_s:g}s) while rank {r.rank} "
-                    f"waited for its streamed samples; rank {d} died or hung")
+        counts = {d: int(r.store.add(r.key(f"heartbeat/{d}"), 0)) for d in beats}
+        _check_alive(r, beats, counts, time.perf_counter(),
+                     f"rank {r.rank} waited for its streamed samples")
 
 
 class _BoardStream:
@@ -789,24 +829,16 @@ class _BoardStream:
                 return False
         return True
 
-    def check(self, destinations: Sequence[int], beats: dict[int, tuple[Any, float]]) -> None:
+    def check(self, beats: dict[int, tuple[Any, float]]) -> None:
         r = self.r
-        now = time.perf_counter()
-        counts = self.board.heartbeats()
-        for d in destinations:
-            if d == r.rank or self.board.done(d) is not None:
-                continue
+        for d in [d for d in beats if self.board.done(d) is not None]:
+            del beats[d]   # its generation is over: nothing more to watch
+        for d in beats:
             if not self.board.alive(d):
                 raise CoordinatorTimeout(
                     f"rank {r.rank}: generation rank {d} sent no heartbeat: its process is "
                     f"gone while rank {r.rank} waited for its streamed samples; rank {d} died")
-            last, since = beats[d]
-            if counts[d] != last:
-                beats[d] = (counts[d], now)
-            elif now - since > r.cfg.timeout_s:
-                raise CoordinatorTimeout(
-                    f"rank {r.rank}: generation rank {d} sent no heartbeat for "
-                    f"{now - since:.1f}s (timeout {r.cfg.timeout_s:g}s) while rank {r.rank} "
-                    f"waited for its streamed samples; rank {d} died or hung")
+        _check_alive(r, beats, self.board.heartbeats(), time.perf_counter(),
+                     f"rank {r.rank} waited for its streamed samples")
 
 

@@ -64,6 +64,8 @@ class TinyJob:
     # Ranks that cannot open the one-host shared trigger board, as on another host: every
     # rank of the rollout then uses the c10d store.
     no_board_ranks: tuple[int, ...] = ()
+    # Tickets above this many bytes go over gloo even on one host (as when /dev/shm is small).
+    shm_ticket_max_bytes: int | None = None
 
     def __post_init__(self) -> None:
         if self.fault is not None and self.fault not in FAULTS:
@@ -88,6 +90,10 @@ def tiny_job_worker(rank: int, world: int, job: TinyJob) -> list[dict[str, Any]]
 
         SharedBoard.create = SharedBoard.attach = classmethod(  # type: ignore[method-assign]
             lambda cls, *a, **k: None)
+    if job.shm_ticket_max_bytes is not None:
+        from ..rollout import distributed
+
+        distributed.SHM_TICKET_MAX_BYTES = job.shm_ticket_max_bytes
     acfg, aseed = model_config(job.actor)
     backend = ReferenceBackend(build_causal_lm(acfg, aseed), instance_id=rank,
                                max_batch_size=job.bs_max,
