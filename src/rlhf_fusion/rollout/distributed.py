@@ -223,6 +223,7 @@ def run_rollout(
     stats: dict[str, Any] = {"rank": r.rank, "fused": config.fused, "rt": rt, "m": m, "t0": t0}
     done: list[SampleResult] = []
     assignment: MigrationAssignment | None = None
+    board: SharedBoard | None = None
     if not migrates:
         note_stage("generation", 1)
         while backend.unfinished():
@@ -237,12 +238,12 @@ def run_rollout(
     else:
         assert rt is not None and m is not None
         with r.store_errors("generating until the trigger"):
-            stats["board"] = _generate_until_trigger(r, backend, rt, done, shards)
+            board = _generate_until_trigger(r, backend, rt, done, shards)
+        stats["board"] = "store" if board is None else "shared"
         stats["trigger_s"] = time.perf_counter() - t0
         note_stage("migration", 1)
         rows = [(p.sample_id, p.prompt_len, p.generated, p.max_new_tokens)
                 for p in backend.progress()]
-        board = _shared_board(r) if stats["board"] == "shared" else None
         if board is not None:
             reports = _exchange_reports(r, board, rows)
         else:
@@ -275,9 +276,7 @@ def run_rollout(
     all_exps = (assemble((x for g in gathered for x in g[1]), ids, "experience batch")
                 if inference is not None else None)
     assembled = time.perf_counter() - t0
-    if stats.get("board") == "shared":   # every rank has read this rank's progress report
-        board = _shared_board(r)
-        assert board is not None
+    if board is not None:   # every rank has read this rank's progress report
         with contextlib.suppress(FileNotFoundError):
             os.unlink(board.mailbox(f"r{board.seq}.{r.rank}"))
     if r.rank == 0:
@@ -342,19 +341,20 @@ def _shared_board(r: _Rank) -> SharedBoard | None:
 
 
 def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
-                            done: list[SampleResult], shards: Sequence[int]) -> str:
+                            done: list[SampleResult], shards: Sequence[int]
+                            ) -> SharedBoard | None:
     """Decode until at most ``rt`` samples are left over all ranks (``shards``: every rank's
     samples at the start). Every rank heartbeats while it waits here, and a peer whose
     heartbeat stops for ``timeout_s`` ends the wait with an error naming it: the trigger is
     set by whichever rank sees the total first, so without it a dead peer's count would hold
-    every other rank here forever. Returns the board used: ``"shared"`` (one host,
-    :mod:`.board`, no collective at the start) or ``"store"``."""
+    every other rank here forever. Returns the group's shared board (one host,
+    :mod:`.board`, no collective at the start), or None where the ranks use the store."""
     board = _shared_board(r)
     if board is not None:
         board.begin(shards)
         note_stage("generation until the migration trigger", 1)
         _until_trigger_shared(r, backend, rt, done, board)
-        return "shared"
+        return board
     store = r.store
     published = len(backend.unfinished())
     store.set(r.key(f"unfinished/{r.rank}"), str(published))
@@ -362,7 +362,7 @@ def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
     r.gather(None, "start of generation")  # every count key exists before anyone reads them
     note_stage("generation until the migration trigger", 1)
     _until_trigger_store(r, backend, rt, done, published)
-    return "store"
+    return None
 
 
 def _until_trigger_shared(r: _Rank, backend: GenerationBackend, rt: int,
@@ -464,11 +464,10 @@ def _migrate(r: _Rank, backend: GenerationBackend, plan: MigrationAssignment,
         tickets = backend.export_samples(ids, mode=mechanism)  # type: ignore[arg-type]
         ints, floats = pack_tickets(tickets)
         hdr = header(0, len(tickets), ints, floats)
-        for off, t in enumerate((hdr, ints, floats)):
-            if t.numel():
-                sends.append((dist.isend(t, r.members[dst], tag=_TAG_TICKETS + off), t,
-                              f"sending {len(ids)} migrated samples to destination rank {dst}, "
-                              "which must receive and acknowledge them", dst))
+        what = (f"sending {len(ids)} migrated samples to destination rank {dst}, which must "
+                "receive and acknowledge them")
+        sends.append((dist.isend(hdr, r.members[dst], tag=_TAG_TICKETS), hdr, what, dst))
+        sends += _send_body(r, dst, ints, floats, what)
     if r.rank in plan.destinations:
         for src in plan.incoming(r.rank):
             hdr = torch.zeros(4, dtype=torch.int64)
@@ -476,14 +475,7 @@ def _migrate(r: _Rank, backend: GenerationBackend, plan: MigrationAssignment,
                    src, MigrationError)
             r.fault("tickets_received", src)
             _, n, n_int, n_flt = hdr.tolist()
-            ints = torch.zeros(n_int, dtype=torch.int64)
-            floats = torch.zeros(n_flt, dtype=torch.float64)
-            if n_int:
-                r.wait(dist.irecv(ints, r.members[src], tag=_TAG_TICKETS + 1), "receiving tickets", src,
-                       MigrationError)
-            if n_flt:
-                r.wait(dist.irecv(floats, r.members[src], tag=_TAG_TICKETS + 2), "receiving KV", src,
-                       MigrationError)
+            ints, floats = _recv_body(r, src, n_int, n_flt, "receiving migrated samples")
             tickets = unpack_tickets(n, ints, floats)
             backend.import_samples(tickets)
             ack = torch.tensor([len(tickets)], dtype=torch.int64)
@@ -508,6 +500,25 @@ def _migrate(r: _Rank, backend: GenerationBackend, plan: MigrationAssignment,
     return settle
 
 
+def _send_body(r: _Rank, dst: int, ints: torch.Tensor, floats: torch.Tensor, what: str
+               ) -> list[tuple[Any, torch.Tensor, str, int]]:
+    """Post the sends of a ticket header's body (ints, then floats) over gloo."""
+    return [(dist.isend(t, r.members[dst], tag=_TAG_TICKETS + off), t, what, dst)
+            for off, t in ((1, ints), (2, floats)) if t.numel()]
+
+
+def _recv_body(r: _Rank, src: int, n_int: int, n_flt: int, what: str
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Receive what :func:`_send_body` sent, sized by the header."""
+    ints = torch.zeros(n_int, dtype=torch.int64)
+    floats = torch.zeros(n_flt, dtype=torch.float64)
+    for off, t in ((1, ints), (2, floats)):
+        if t.numel():
+            r.wait(dist.irecv(t, r.members[src], tag=_TAG_TICKETS + off), what, src,
+                   MigrationError)
+    return ints, floats
+
+
 # Tickets larger than this, or than half of what /dev/shm has free, go over gloo even on one
 # host (the file then holds only their header): a KV cache can be gigabytes, and /dev/shm is
 # often small (64 MB by default in a Docker container).
@@ -530,7 +541,6 @@ def _migrate_shared(r: _Rank, backend: GenerationBackend, plan: MigrationAssignm
     for dst, ids in sorted(plan.moves.get(r.rank, {}).items()):
         tickets = backend.export_samples(ids, mode=mechanism)  # type: ignore[arg-type]
         ints, floats = pack_tickets(tickets)
-        floats = floats.to(torch.float64)
         path = board.mailbox(f"m{board.seq}.{r.rank}.{dst}")
         kind = _IN_FILE if _fits_in_shm(path, 8 * (4 + ints.numel() + floats.numel())) \
             else _OVER_GLOO
@@ -541,14 +551,12 @@ def _migrate_shared(r: _Rank, backend: GenerationBackend, plan: MigrationAssignm
             kind = _OVER_GLOO
             _write_whole(path, header(kind, len(tickets), ints, floats))
         if kind == _OVER_GLOO:
-            for off, t in ((1, ints), (2, floats)):
-                if t.numel():
-                    sends.append((dist.isend(t, r.members[dst], tag=_TAG_TICKETS + off), t))
+            sends += _send_body(r, dst, ints, floats,
+                                "sending migrated samples over gloo (too large for /dev/shm)")
         stats.setdefault("tickets", []).append("file" if kind == _IN_FILE else "gloo")
         sent.append((path, dst, len(ids)))
-    for work, _ in sends:   # as in _migrate: before scoring, or the sends starve
-        r.wait(work, "sending migrated samples over gloo (too large for /dev/shm)", -1,
-               MigrationError)
+    for work, _, what, peer in sends:   # as in _migrate: before scoring, or they starve
+        r.wait(work, what, peer, MigrationError)
     if r.rank in plan.destinations:
         for src in plan.incoming(r.rank):
             path = board.mailbox(f"m{board.seq}.{src}.{r.rank}")
@@ -559,13 +567,8 @@ def _migrate_shared(r: _Rank, backend: GenerationBackend, plan: MigrationAssignm
             kind, n, n_int, n_flt = torch.frombuffer(bytearray(data[:32]),
                                                      dtype=torch.int64).tolist()
             if kind == _OVER_GLOO:
-                ints = torch.zeros(n_int, dtype=torch.int64)
-                floats = torch.zeros(n_flt, dtype=torch.float64)
-                for off, t in ((1, ints), (2, floats)):
-                    if t.numel():
-                        r.wait(dist.irecv(t, r.members[src], tag=_TAG_TICKETS + off),
-                               f"receiving migrated samples from source rank {src} over gloo",
-                               src, MigrationError)
+                ints, floats = _recv_body(r, src, n_int, n_flt,
+                                          "receiving migrated samples over gloo")
             else:
                 ints = torch.frombuffer(bytearray(data[32: 32 + 8 * n_int]), dtype=torch.int64)
                 floats = torch.frombuffer(bytearray(data[32 + 8 * n_int:]), dtype=torch.float64)
