@@ -85,6 +85,9 @@ class SharedBoard:
             os.close(fd)
         self.seq = 0
         self.shards: list[int] = [0] * world
+        # This rank's newest message that peers may still read (the rollout's final
+        # exchange): removed by the next one, or at exit (:meth:`remove_last_message`).
+        self.last_message: str | None = None
         self._beats = 0
         self._put(2 * world + rank, os.getpid())
 
@@ -202,5 +205,12 @@ class SharedBoard:
         e.g. ``f"m{seq}.{src}.{dst}"``): next to the board, in the same /dev/shm."""
         return f"{self.path}.{name}"
 
+    def remove_last_message(self) -> None:
+        if self.last_message is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.last_message)
+            self.last_message = None
+
     def close(self) -> None:
+        self.remove_last_message()
         self.buf.close()

@@ -20,21 +20,23 @@ Critic models. Timeline of ``run_rollout`` on every rank, fused mode:
    from the stream; a destination whose generation is over takes its share too. Waiting
    consumers watch the destinations' heartbeats and raise ``CoordinatorTimeout`` naming a
    silent (or, on one host, dead) rank.
-5. **Assemble.** ``all_gather_object`` of everyone's experience; every rank returns the batch
-   sorted by sample id, checked exactly-once.
+5. **Assemble.** Every rank's experience reaches every rank (an all-gather); each returns the
+   batch sorted by sample id, checked exactly-once.
 
 Two transports carry steps 1-4. When every rank of the group runs on one host, the group's
-shared board (:mod:`.board`, set up by its first fused rollout) holds the counts, heartbeats,
+shared board (:mod:`.board`, set up by its first rollout) holds the counts, heartbeats,
 pids and the trigger, written and read after every decode step, and the progress reports,
-tickets and stream chunks are files beside it in ``/dev/shm`` (written whole, renamed into
-place; a consumer claims a chunk by renaming it): no collective at the start, no gloo
-round trip or store request on the way, which on a short rollout cost more than fusion gains
-(``benchmarks/results/grpo_demo_compare_analysis.md``). Across hosts the c10d store carries
-the counts (every ``report_every`` steps), heartbeats and stream queue, gloo the progress
-(one all-gather) and the tickets (point-to-point). Each rank's stats say which (``board``).
+tickets, stream chunks and the final exchange are files beside it in ``/dev/shm`` (written
+whole, renamed into place; a consumer claims a chunk by renaming it): no collective at the
+start, no gloo round trip or store request on the way, which on a short rollout cost more
+than fusion gains (``benchmarks/results/grpo_demo_compare_analysis.md``). Across hosts the
+c10d store carries the counts (every ``report_every`` steps), heartbeats and stream queue,
+gloo the progress (one all-gather), the tickets (point-to-point) and the final exchange.
+Each rank's stats say which (``board``).
 
 Serial mode: generate the shard, wait for every rank to finish (inference cannot start before
-the last sample ends), score the own shard, assemble. Same models, same numbers.
+the last sample ends; the board's done words on one host), score the own shard, assemble
+through the same transport as fused mode. Same models, same numbers.
 
 The configuration and its up-front checks live in ``rollout.config``. Any launcher that
 initialises the default process group works; ``rlhf_fusion.launch.run_ranks`` starts local
@@ -43,6 +45,7 @@ gloo ranks (tests, benchmarks).
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import pickle
@@ -216,36 +219,46 @@ def run_rollout(
             mechanism = resolve_mode(config.mechanism, kv_ok)
     shard = [s for s in specs if shard_of(s.sample_id, r.world) == r.rank]
     shards = [sum(shard_of(i, r.world) == k for i in ids) for k in range(r.world)]
+    # The group's one-host board (set up by its first rollout, serial or fused) carries this
+    # rollout's messages under its own sequence number; None: the store and gloo.
+    with r.store_errors("setting up the rollout"):
+        board = _shared_board(r)
+    if board is not None:
+        board.begin(shards)
     backend.submit(shard)
     t0 = time.perf_counter()
     # t0: perf_counter's clock is the host's monotonic clock, so one host's ranks' timelines
     # line up through it.
-    stats: dict[str, Any] = {"rank": r.rank, "fused": config.fused, "rt": rt, "m": m, "t0": t0}
+    stats: dict[str, Any] = {"rank": r.rank, "fused": config.fused, "rt": rt, "m": m, "t0": t0,
+                             "board": "store" if board is None else "shared"}
     done: list[SampleResult] = []
     assignment: MigrationAssignment | None = None
-    board: SharedBoard | None = None
     if not migrates:
         note_stage("generation", 1)
         while backend.unfinished():
             done.extend(backend.step())
         stats["generation_end_s"] = time.perf_counter() - t0
         note_stage("end-of-generation barrier", 1)
-        r.gather(None, "end-of-generation barrier")
+        if board is None:
+            r.gather(None, "end-of-generation barrier")
+        else:
+            _board_barrier(r, board, "end-of-generation barrier")
         stats["inference_start_s"] = time.perf_counter() - t0
         note_stage("scoring", 1)
         exps = inference.score(done) if inference is not None else []
         results = done
     else:
         assert rt is not None and m is not None
-        with r.store_errors("generating until the trigger"):
-            board = _generate_until_trigger(r, backend, rt, done, shards)
-        stats["board"] = "store" if board is None else "shared"
+        # On one host nothing below goes through the store: an error there is not a lost one.
+        with (r.store_errors("generating until the trigger") if board is None
+              else contextlib.nullcontext()):
+            _generate_until_trigger(r, backend, rt, done, board)
         stats["trigger_s"] = time.perf_counter() - t0
         note_stage("migration", 1)
         rows = [(p.sample_id, p.prompt_len, p.generated, p.max_new_tokens)
                 for p in backend.progress()]
         if board is not None:
-            reports = _exchange_reports(r, board, rows)
+            reports = _exchange_reports(r, board, rows, backend, done)
         else:
             # At the trigger a rank holds at most its own shard (nothing has migrated yet).
             reports = r.gather_rows(rows, 4, max(shards), "progress reports at the trigger")
@@ -257,8 +270,11 @@ def run_rollout(
             mechanism = _auto_mechanism(assignment, progress, backend, config, kv_ok)
         stats.update(destinations=assignment.destinations, moved=assignment.moved_ids,
                      mechanism=mechanism, plan_s=time.perf_counter() - t0)
-        settle = (_migrate(r, backend, assignment, mechanism) if board is None else
-                  _migrate_shared(r, backend, assignment, mechanism, board, stats))
+        incoming: _Incoming | None = None
+        if board is None:
+            settle = _migrate(r, backend, assignment, mechanism)
+        else:
+            settle, incoming = _migrate_shared(r, backend, assignment, mechanism, board, stats)
         # An engine may finish a sample between the report and the export (vLLM): it got no
         # ticket, so this rank must still collect it.
         if r.rank not in assignment.destinations:
@@ -266,12 +282,14 @@ def run_rollout(
                 done.extend(backend.step())
         stats["migration_end_s"] = time.perf_counter() - t0
         note_stage("streaming and scoring", 1)
-        with r.store_errors("streaming finished samples"):
+        with (r.store_errors("streaming finished samples") if board is None
+              else contextlib.nullcontext()):
             results, exps = _stream(r, backend, inference, assignment, done, t0, stats, settle,
-                                    board)
+                                    board, incoming)
     stats["local_end_s"] = time.perf_counter() - t0
     note_stage("assembling the experience batch", 1)
-    gathered = r.gather((results, exps, stats), "the experience batch")
+    gathered = (r.gather((results, exps, stats), "the experience batch") if board is None
+                else _board_gather(r, board, (results, exps, stats), "the experience batch"))
     all_results = assemble((x for g in gathered for x in g[0]), ids, "results")
     all_exps = (assemble((x for g in gathered for x in g[1]), ids, "experience batch")
                 if inference is not None else None)
@@ -309,7 +327,7 @@ HEARTBEAT_CHECK_S = 0.05
 
 
 # The shared board of each process group this process rolls out in, set up by the group's
-# first fused rollout (None: some rank cannot open it, the group uses the store). Keyed by the
+# first rollout (None: some rank cannot open it, the group uses the store). Keyed by the
 # group object, kept alive here so that a group made after this one is destroyed never finds
 # its board.
 _BOARDS: dict[int, tuple[Any, SharedBoard | None]] = {}
@@ -336,25 +354,23 @@ def _shared_board(r: _Rank) -> SharedBoard | None:
         if not shared:
             board.close()
             board = None
+    if board is not None:   # a process's exchange files go with it (a killed one's: sweep)
+        atexit.register(board.remove_last_message)
     _BOARDS[id(pg)] = (pg, board)
     return board
 
 
 def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
-                            done: list[SampleResult], shards: Sequence[int]
-                            ) -> SharedBoard | None:
-    """Decode until at most ``rt`` samples are left over all ranks (``shards``: every rank's
-    samples at the start). Every rank heartbeats while it waits here, and a peer whose
-    heartbeat stops for ``timeout_s`` ends the wait with an error naming it: the trigger is
-    set by whichever rank sees the total first, so without it a dead peer's count would hold
-    every other rank here forever. Returns the group's shared board (one host,
-    :mod:`.board`, no collective at the start), or None where the ranks use the store."""
-    board = _shared_board(r)
+                            done: list[SampleResult], board: SharedBoard | None) -> None:
+    """Decode until at most ``rt`` samples are left over all ranks. Every rank heartbeats
+    while it waits here, and a peer whose heartbeat stops for ``timeout_s`` ends the wait with
+    an error naming it: the trigger is set by whichever rank sees the total first, so without
+    it a dead peer's count would hold every other rank here forever. On one host through the
+    group's shared ``board`` (:mod:`.board`: no collective at the start), else the store."""
     if board is not None:
-        board.begin(shards)
         note_stage("generation until the migration trigger", 1)
         _until_trigger_shared(r, backend, rt, done, board)
-        return board
+        return
     store = r.store
     published = len(backend.unfinished())
     store.set(r.key(f"unfinished/{r.rank}"), str(published))
@@ -362,7 +378,6 @@ def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
     r.gather(None, "start of generation")  # every count key exists before anyone reads them
     note_stage("generation until the migration trigger", 1)
     _until_trigger_store(r, backend, rt, done, published)
-    return None
 
 
 def _until_trigger_shared(r: _Rank, backend: GenerationBackend, rt: int,
@@ -557,27 +572,8 @@ def _migrate_shared(r: _Rank, backend: GenerationBackend, plan: MigrationAssignm
         sent.append((path, dst, len(ids)))
     for work, _, what, peer in sends:   # as in _migrate: before scoring, or they starve
         r.wait(work, what, peer, MigrationError)
-    if r.rank in plan.destinations:
-        for src in plan.incoming(r.rank):
-            path = board.mailbox(f"m{board.seq}.{src}.{r.rank}")
-            _await_file(r, board, path, src, f"receiving migrated samples from source rank {src}")
-            r.fault("tickets_received", src)
-            with open(path, "rb") as f:
-                data = f.read()
-            kind, n, n_int, n_flt = torch.frombuffer(bytearray(data[:32]),
-                                                     dtype=torch.int64).tolist()
-            if kind == _OVER_GLOO:
-                ints, floats = _recv_body(r, src, n_int, n_flt,
-                                          "receiving migrated samples over gloo")
-            else:
-                ints = torch.frombuffer(bytearray(data[32: 32 + 8 * n_int]), dtype=torch.int64)
-                floats = torch.frombuffer(bytearray(data[32 + 8 * n_int:]), dtype=torch.float64)
-            if floats.numel() != n_flt or ints.numel() != n_int:
-                raise MigrationError(f"rank {r.rank}: the tickets from source rank {src} hold "
-                                     f"{ints.numel()} ints and {floats.numel()} floats, their "
-                                     f"header says {n_int} and {n_flt}")
-            os.rename(path, path + ".ack")
-            backend.import_samples(unpack_tickets(n, ints, floats))
+    incoming = (_Incoming(r, backend, board, plan.incoming(r.rank))
+                if r.rank in plan.destinations else None)
 
     def settle() -> None:
         try:
@@ -592,7 +588,55 @@ def _migrate_shared(r: _Rank, backend: GenerationBackend, plan: MigrationAssignm
                     with contextlib.suppress(FileNotFoundError):
                         os.unlink(p)
 
-    return settle
+    return settle, incoming
+
+
+def _tensor(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """``data`` as a 1-d tensor; empty bytes (a source whose planned samples all finished
+    before its export sends no ticket) as an empty one, which ``frombuffer`` refuses."""
+    return (torch.frombuffer(bytearray(data), dtype=dtype) if data
+            else torch.empty(0, dtype=dtype))
+
+
+class _Incoming:
+    """A destination's tickets still to come, one file per source. The destination goes on
+    decoding its own samples and imports each file between two decode steps once it is there
+    (:meth:`poll`), instead of idling until the source has exported and written it: on a
+    short tail that wait was a decode step or more of the destination's, on the critical
+    path. It blocks only when it has nothing left to decode (``poll(block=True)``)."""
+
+    def __init__(self, r: _Rank, backend: GenerationBackend, board: SharedBoard,
+                 sources: Sequence[int]) -> None:
+        self.r, self.backend, self.board = r, backend, board
+        self.pending = list(sources)
+
+    def poll(self, block: bool = False) -> None:
+        r, board = self.r, self.board
+        for src in list(self.pending):
+            path = board.mailbox(f"m{board.seq}.{src}.{r.rank}")
+            if block:
+                _await_file(r, board, path, src,
+                            f"receiving migrated samples from source rank {src}")
+            elif not os.path.exists(path):
+                continue
+            r.fault("tickets_received", src)
+            with open(path, "rb") as f:
+                data = f.read()
+            kind, n, n_int, n_flt = torch.frombuffer(bytearray(data[:32]),
+                                                     dtype=torch.int64).tolist()
+            if kind == _OVER_GLOO:
+                ints, floats = _recv_body(r, src, n_int, n_flt,
+                                          "receiving migrated samples over gloo")
+            else:
+                ints = _tensor(data[32: 32 + 8 * n_int], torch.int64)
+                floats = _tensor(data[32 + 8 * n_int:], torch.float64)
+            if floats.numel() != n_flt or ints.numel() != n_int:
+                raise MigrationError(f"rank {r.rank}: the tickets from source rank {src} hold "
+                                     f"{ints.numel()} ints and {floats.numel()} floats, their "
+                                     f"header says {n_int} and {n_flt}")
+            os.rename(path, path + ".ack")
+            self.backend.import_samples(unpack_tickets(n, ints, floats))
+            self.pending.remove(src)
 
 
 def _fits_in_shm(path: str, nbytes: int) -> bool:
@@ -613,16 +657,25 @@ def _write_whole(path: str, *tensors: torch.Tensor) -> None:
     os.rename(path + ".part", path)
 
 
-def _exchange_reports(r: _Rank, board: SharedBoard, rows: Sequence[tuple[int, ...]]
+def _exchange_reports(r: _Rank, board: SharedBoard, rows: Sequence[tuple[int, ...]],
+                      backend: GenerationBackend, done: list[SampleResult]
                       ) -> list[list[tuple[int, ...]]]:
     """Every rank's progress rows at the trigger, through files beside the board (written
     whole and renamed into place, as the migration's): no gloo wake-ups. ``run_rollout``
-    removes this rank's file after the final all-gather, when every peer has read it."""
+    removes this rank's file after the final all-gather, when every peer has read it.
+
+    A rank that sees the trigger while a peer is still in its decode step goes on decoding
+    until the peer's report is there (a step, 2-3 ms on the demo's CPU, was this rank's idle
+    time): whether it turns out a source or a destination, its samples get nearer their end.
+    A sample the plan moves that finishes meanwhile stays here: its source exports only
+    unfinished samples (``export_samples`` skips the others), so none is lost or doubled."""
     own = board.mailbox(f"r{board.seq}.{r.rank}")
     _write_whole(own, torch.tensor(rows, dtype=torch.int64).reshape(-1, 4))
     out = []
     for i in range(r.world):
         path = board.mailbox(f"r{board.seq}.{i}")
+        while not os.path.exists(path) and backend.unfinished():
+            done.extend(backend.step())
         _await_file(r, board, path, i, "waiting for its progress report at the trigger",
                     CoordinatorTimeout)
         with open(path, "rb") as f:
@@ -632,24 +685,66 @@ def _exchange_reports(r: _Rank, board: SharedBoard, rows: Sequence[tuple[int, ..
     return out
 
 
+def _board_barrier(r: _Rank, board: SharedBoard, what: str) -> None:
+    """Every rank of the group has reached this point of this rollout: each sets its done
+    word and waits for the others' (memory reads; a gloo barrier's wake-ups cost 1 ms at the
+    median and 4 ms at the 90th percentile here). A peer whose process is gone fails the wait
+    at once, one that hangs after ``timeout_s``."""
+    board.set_done()
+    deadline = time.perf_counter() + r.cfg.timeout_s
+    idle = 2e-5
+    for peer in range(r.world):
+        while board.done(peer) is None:
+            _check_peer(r, board, peer, what, deadline, CoordinatorTimeout)
+            time.sleep(idle)
+            idle = min(2 * idle, 5e-4)
+
+
+def _board_gather(r: _Rank, board: SharedBoard, obj: Any, what: str) -> list[Any]:
+    """``all_gather_object`` through files beside the board: each rank writes its pickle
+    whole (renamed into place) and reads every peer's. A rank removes its file of the
+    previous rollout here: a peer that wrote this rollout's file has read that one."""
+    own = board.mailbox(f"x{board.seq}.{r.rank}")
+    with open(own + ".part", "wb") as f:
+        pickle.dump(obj, f, protocol=pickle.HIGHEST_PROTOCOL)
+    os.rename(own + ".part", own)
+    out = []
+    for peer in range(r.world):
+        path = board.mailbox(f"x{board.seq}.{peer}")
+        if peer != r.rank:
+            _await_file(r, board, path, peer, f"all-gather of {what}", CoordinatorTimeout)
+        with open(path, "rb") as f:
+            out.append(obj if peer == r.rank else pickle.load(f))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(board.mailbox(f"x{board.seq - 1}.{r.rank}"))
+    board.last_message = own
+    return out
+
+
+def _check_peer(r: _Rank, board: SharedBoard, peer: int, what: str, deadline: float,
+                exc_type: type[RolloutError]) -> None:
+    if not board.alive(peer):
+        raise exc_type(f"rank {r.rank}: {what} (peer rank {peer}) failed: its process "
+                       f"is gone; rank {peer} died or hung")
+    if time.perf_counter() > deadline:
+        raise exc_type(f"rank {r.rank}: {what} (peer rank {peer}) failed within the "
+                       f"{r.cfg.timeout_s:g}s timeout; rank {peer} died or hung")
+
+
 def _await_file(r: _Rank, board: SharedBoard, path: str, peer: int, what: str,
                 exc_type: type[RolloutError] = MigrationError) -> None:
     deadline = time.perf_counter() + r.cfg.timeout_s
     idle = 2e-5
     while not os.path.exists(path):
-        if not board.alive(peer):
-            raise exc_type(f"rank {r.rank}: {what} (peer rank {peer}) failed: its process "
-                           f"is gone; rank {peer} died or hung")
-        if time.perf_counter() > deadline:
-            raise exc_type(f"rank {r.rank}: {what} (peer rank {peer}) failed within the "
-                           f"{r.cfg.timeout_s:g}s timeout; rank {peer} died or hung")
+        _check_peer(r, board, peer, what, deadline, exc_type)
         time.sleep(idle)
-        idle = min(2 * idle, 1e-3)
+        idle = min(2 * idle, 5e-4)
 
 
 def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | None,
             plan: MigrationAssignment, done: list[SampleResult], t0: float,
-            stats: dict[str, Any], settle: Callable[[], None], board: SharedBoard | None
+            stats: dict[str, Any], settle: Callable[[], None], board: SharedBoard | None,
+            incoming: _Incoming | None = None
             ) -> tuple[list[SampleResult], list[Experience]]:
     chan: _StoreStream | _BoardStream = (_StoreStream(r) if board is None
                                          else _BoardStream(r, board, plan.destinations))
@@ -675,10 +770,17 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
         push(done)
         last_hb = 0.0
         steps = 0
-        while backend.unfinished():
+        while True:
+            if incoming is not None and incoming.pending:
+                incoming.poll(block=not backend.unfinished())
+                if not incoming.pending:
+                    stats["imported_s"] = time.perf_counter() - t0
+            if not backend.unfinished():
+                break
             finished = backend.step()
             results.extend(finished)
-            push(finished, flush=not backend.unfinished())
+            push(finished, flush=not backend.unfinished()
+                 and not (incoming is not None and incoming.pending))
             steps += 1
             r.fault("streaming_step", steps)
             now = time.perf_counter()
