@@ -43,6 +43,11 @@ def test_two_ranks_fused_equals_serial_for_both_mechanisms():
         dest = ranks[0]["destinations"]
         assert len(dest) == 1 and all(r.migrated == (r.sample_id in moved) for r in fused.results)
         assert sum(st["scored"] for st in ranks) == 16
+        # Whole micro-batches but for at most one per rank, however the stream cut them: no
+        # more scoring forwards than the serial rollout's (8 samples a rank, micro-batches of
+        # 3: 3 each).
+        assert sum(st["scoring_batches"] for st in ranks) <= sum(
+            st["scoring_batches"] for st in serial.stats["ranks"]) == 6
         assert [e.sample_id for e in fused.experiences] == list(range(16))
         for a, b in zip(serial.experiences, fused.experiences, strict=True):
             assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason

@@ -245,6 +245,24 @@ def test_export_of_finished_or_unknown_samples_gives_no_ticket(model):
     assert list(backend.results()) == []
 
 
+def test_a_source_whose_planned_samples_all_finished_sends_an_empty_ticket_file(model):
+    """At the trigger a rank may go on decoding until its peer's progress report is there, so
+    every sample the plan moves can finish first: the export is empty, and the destination
+    reads the file's empty body as no tickets (``frombuffer`` refuses empty bytes)."""
+    from rlhf_fusion.rollout.distributed import _tensor
+
+    backend = ReferenceBackend(model)
+    backend.submit([SampleSpec(0, [1], max_new_tokens=1)])
+    backend.step()
+    ints, floats = pack_tickets(backend.export_samples([0], mode="kv"))
+    assert ints.numel() == floats.numel() == 0
+    body = ints.numpy().tobytes() + floats.numpy().tobytes()
+    assert unpack_tickets(0, _tensor(body[:0], torch.int64), _tensor(body, torch.float64)) == []
+    other = ReferenceBackend(model)
+    other.import_samples([])
+    assert other.unfinished() == []
+
+
 def test_queued_sample_exports_as_fresh_request(model):
     backend = ReferenceBackend(model, max_batch_size=1)
     backend.submit([SampleSpec(0, [1], max_new_tokens=5), SampleSpec(1, [2], max_new_tokens=5)])

@@ -63,18 +63,19 @@ def sweep(where: str) -> None:
 
 class SharedBoard:
     """The board in a shared file: words ``[count x world][heartbeat x world][pid x world]
-    [done x world][pushed x world][trigger]``; a count is ``seq << 32 | unfinished``, a
-    pushed word ``seq << 32 | chunks`` (the stream chunks a destination has written so far),
-    a done word ``seq << 32 | chunks + 1`` once its generation is over (the final count in the
-    same word, so no reader pairs "done" with an older count), the trigger
-    ``seq << 32 | rank + 1``. The pids let a rank tell at once that a peer on its host has
+    [done x world][pushed x world][hungry x world][trigger]``; a count is
+    ``seq << 32 | unfinished``, a pushed word ``seq << 32 | chunks`` (the stream chunks a
+    destination has written so far), a done word ``seq << 32 | chunks + 1`` once it will
+    write no more (the final count in the same word, so no reader pairs "done" with an older
+    count; the serial rollout's barrier sets it too), a hungry word ``seq << 32 | 1`` once a
+    rank waits for the stream, the trigger ``seq << 32 | rank + 1``. The pids let a rank tell at once that a peer on its host has
     died (:meth:`alive`)."""
 
     def __init__(self, path: str, world: int, rank: int, *, create: bool) -> None:
         self.path = path
         self.world = world
         self.rank = rank
-        size = _WORD.size * (5 * world + 1)
+        size = _WORD.size * (6 * world + 1)
         flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
         fd = os.open(path, flags, 0o600)
         try:
@@ -157,13 +158,23 @@ class SharedBoard:
         return word & _VALUE_MASK if word >> _VALUE_BITS == self.seq else 0
 
     def set_done(self, chunks: int = 0) -> None:
-        """This rank's generation in this rollout is over, after ``chunks`` stream chunks."""
+        """This rank writes no more stream chunks in this rollout than ``chunks``."""
         self._put(3 * self.world + self.rank, self.seq << _VALUE_BITS | chunks + 1)
 
     def done(self, rank: int) -> int | None:
         """``rank``'s final chunk count once its generation in this rollout is over."""
         word = self._get(3 * self.world + rank)
         return (word & _VALUE_MASK) - 1 if word >> _VALUE_BITS == self.seq else None
+
+    def set_hungry(self) -> None:
+        """This rank has scored its own samples and waits for the stream's."""
+        self._put(5 * self.world + self.rank, self.seq << _VALUE_BITS | 1)
+
+    def any_hungry(self) -> bool:
+        """Whether some rank waits for the stream in this rollout (a destination holds its
+        finished samples back until one does)."""
+        return any(self._get(5 * self.world + i) >> _VALUE_BITS == self.seq
+                   for i in range(self.world))
 
     def counts(self) -> list[int]:
         """Every rank's unfinished count in this rollout (its shard if it has not started)."""
@@ -181,11 +192,11 @@ class SharedBoard:
 
     def trigger(self) -> int:
         """The rank that set this rollout's trigger, or :data:`NO_TRIGGER`."""
-        word = self._get(5 * self.world)
+        word = self._get(6 * self.world)
         return (word & _VALUE_MASK) - 1 if word >> _VALUE_BITS == self.seq else NO_TRIGGER
 
     def set_trigger(self) -> None:
-        self._put(5 * self.world, self.seq << _VALUE_BITS | self.rank + 1)
+        self._put(6 * self.world, self.seq << _VALUE_BITS | self.rank + 1)
 
     def alive(self, rank: int) -> bool:
         """Whether rank ``rank``'s process still exists (it is on this host)."""
