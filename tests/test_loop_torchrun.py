@@ -326,6 +326,48 @@ def test_processes_started_with_srun_variables_join_and_equal_the_spawned_run(
     assert not outs[1].exists()
 
 
+GRPO_FUSED_YAML = """world_size: 2
+iterations: 6
+models: {actor: {family: llama, layers: 2, hidden: 64}, tokenizer: arithmetic, seed: 0,
+         reward: {functions: [{function: "rlhf_fusion.loop.arithmetic:correctness_reward"}]}}
+generation: {prompts_per_iteration: 16, max_new_tokens: 32, seed: 0}
+ppo: {micro_batches: 2, num_mini_batches: 2, num_ppo_epochs: 1, learning_rate: 1.0e-3}
+fusion: {inter: true, intra: false, rt: 0.25, mechanism: kv}
+algorithm: {name: grpo, n: 8}
+"""
+
+
+@pytest.mark.slow   # about 25 s: a spawned run and an srun-style run of 6 GRPO iterations
+def test_srun_tasks_migrate_through_the_one_host_board_and_equal_the_spawned_run(tmp_path):
+    """GRPO with inter-stage fusion, its 2 ranks started as srun starts tasks (one process
+    each, SLURM's variables): the rollout's one-host transport (the shared board in /dev/shm)
+    serves them as it serves spawned ranks. Every iteration migrates, the rewards are those
+    of the spawned run and the trained parameters equal it."""
+    cfg = tmp_path / "grpo.yaml"
+    cfg.write_text(GRPO_FUSED_YAML)
+    ref = tmp_path / "spawned"
+    (err,) = _finish([subprocess.Popen(
+        [sys.executable, "-m", "rlhf_fusion.cli", "train", str(cfg), "--out", str(ref)],
+        env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)], 600)
+    assert [it for it, _ in complete_checkpoints(ref)][-1] == 6, err[-3000:]
+    port = free_port()
+    outs = (tmp_path / "out", tmp_path / "node1" / "out")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "rlhf_fusion.cli", "train", str(cfg), "--out", str(outs[r])],
+        env={**_env(), "SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+             "SLURM_NODELIST": "localhost", "SLURM_JOB_ID": "4243", "MASTER_PORT": str(port)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        for r in range(2)]
+    errs = _finish(procs, 600)
+    assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for e in errs]
+    rows = [[json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+            for out in (outs[0], ref)]
+    assert all(r["fusion/migrated"] > 0 for r in rows[0]), rows[0]
+    assert [r["objective/scores"] for r in rows[0]] == [r["objective/scores"] for r in rows[1]]
+    assert _max_diff(_params(outs[0], 6), _params(ref, 6)) <= 1e-6
+
+
 # -- the environment: torchrun's and SLURM's variables -------------------------------------------
 
 SLURM = {"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1",
