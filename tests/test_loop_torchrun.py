@@ -82,6 +82,18 @@ def _torchrun(tmp: Path, outs: tuple[Path, Path], *args: str) -> list[subprocess
         start_new_session=True) for r in range(2)]
 
 
+def _srun_tasks(config: Path, outs: tuple[Path, Path]) -> list[subprocess.Popen]:
+    """What srun gives each of 2 tasks (no SLURM here: the variables set by hand), one
+    ``rlhf-fusion train`` process per task started separately."""
+    port = free_port()
+    return [subprocess.Popen(
+        [sys.executable, "-m", "rlhf_fusion.cli", "train", str(config), "--out", str(outs[r])],
+        env={**_env(), "SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+             "SLURM_NODELIST": "localhost", "SLURM_JOB_ID": "4242", "MASTER_PORT": str(port)},
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+        for r in range(2)]
+
+
 def _finish(procs: list[subprocess.Popen], limit: float) -> list[str]:
     """Every process's stderr once all have exited (within ``limit`` s, else kill them all
     and fail)."""
@@ -311,15 +323,8 @@ def test_processes_started_with_srun_variables_join_and_equal_the_spawned_run(
         tmp_path, spawned_run):
     """What srun gives each task (no SLURM here: the variables set by hand, one process per
     task started separately) is enough to join: the same result as the spawned run."""
-    port = free_port()
-    config = _config(tmp_path)
     outs = (tmp_path / "out", tmp_path / "node1" / "out")
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "rlhf_fusion.cli", "train", str(config), "--out", str(outs[r])],
-        env={**_env(), "SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
-             "SLURM_NODELIST": "localhost", "SLURM_JOB_ID": "4242", "MASTER_PORT": str(port)},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        for r in range(2)]
+    procs = _srun_tasks(_config(tmp_path), outs)
     errs = _finish(procs, 600)
     assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for e in errs]
     assert _max_diff(_params(outs[0], N), _params(spawned_run, N)) <= 1e-6
@@ -351,14 +356,8 @@ def test_srun_tasks_migrate_through_the_one_host_board_and_equal_the_spawned_run
         env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True)], 600)
     assert [it for it, _ in complete_checkpoints(ref)][-1] == 6, err[-3000:]
-    port = free_port()
     outs = (tmp_path / "out", tmp_path / "node1" / "out")
-    procs = [subprocess.Popen(
-        [sys.executable, "-m", "rlhf_fusion.cli", "train", str(cfg), "--out", str(outs[r])],
-        env={**_env(), "SLURM_PROCID": str(r), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
-             "SLURM_NODELIST": "localhost", "SLURM_JOB_ID": "4243", "MASTER_PORT": str(port)},
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        for r in range(2)]
+    procs = _srun_tasks(cfg, outs)
     errs = _finish(procs, 600)
     assert [p.returncode for p in procs] == [0, 0], [e[-3000:] for e in errs]
     rows = [[json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
