@@ -13,6 +13,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
+# Slow (about a minute): run it before a device session; the steps' own code is tested in CI.
+@pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_gpu_check_script_runs_every_step_on_the_cpu(tmp_path):
     env = {**os.environ, "OUT": str(tmp_path), "PYTHON": sys.executable,

@@ -250,7 +250,10 @@ def _resumes_exactly(tmp_path: Path, out: Path, reference_run: Path) -> None:
     assert _same(_final_state(out, N), _final_state(reference_run, N))
 
 
-@pytest.mark.parametrize("checkpoint_every", [1, 100], ids=["every-iteration", "none-due"])
+# CI runs none-due, the case with a checkpoint that only the stop writes; every-iteration (the
+# stop's iteration checkpointed as it would be anyway) is in the slow selection.
+@pytest.mark.parametrize("checkpoint_every", [pytest.param(1, marks=pytest.mark.slow), 100],
+                         ids=["every-iteration", "none-due"])
 def test_sigterm_ends_the_iteration_checkpoints_it_exits_0_and_resume_is_exact(
         tmp_path, reference_run, checkpoint_every):
     """Preemption: the launcher passes SIGTERM on, the ranks finish the iteration in
@@ -389,7 +392,10 @@ def _signal_as_clusters_do(proc: subprocess.Popen, how: str) -> None:
             p.send_signal(signal.SIGUSR1)
 
 
-@pytest.mark.parametrize("how", ["ranks-then-launcher", "again-at-grace-end",
+# again-at-grace-end is in the slow selection here: CI runs it under torchrun
+# (tests/test_loop_torchrun.py), the launcher SLURM users start.
+@pytest.mark.parametrize("how", ["ranks-then-launcher",
+                                 pytest.param("again-at-grace-end", marks=pytest.mark.slow),
                                  pytest.param("usr1", marks=pytest.mark.slow)])
 def test_repeated_and_early_warning_signals_are_one_graceful_stop(tmp_path, reference_run, how):
     """The signals as SLURM and torchrun deliver them: every repeat within the grace is the same

@@ -113,7 +113,11 @@ COLOCATE = textwrap.dedent("""
 TRL_VLLM_032_SYNC = "'Parameter' object has no attribute 'weight_loader'"
 
 
+# Slow: an engine start to reach a known failure of TRL's own colocate sync on vLLM 0.32 (xfail
+# below); the notice and the fusion flags it checks first are plain Python. Run it when TRL or
+# vLLM moves: `pytest -m vllm tests/test_trl_vllm_modes.py` in the vLLM venv.
 @pytest.mark.vllm
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_VLLM, reason="vllm is not installed (the vllm CI step has it)")
 @pytest.mark.parametrize("algo", ["grpo"])  # RLOO: the same mixin code; an engine start is ~2 min
 def test_colocate_engine_generates_with_the_notice(algo, tmp_path):

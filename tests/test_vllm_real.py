@@ -134,6 +134,40 @@ def test_loop_migration_on_equals_off_token_for_token(loop_runs, model_dir):
     assert on["history"][-1]["objective/kl"] > 0
 
 
+@pytest.mark.slow  # two more 2-rank runs with an engine per rank: about 2 minutes here
+def test_loop_grpo_migration_on_equals_off_with_vllm(model_dir):
+    """GRPO (no Critic, groups of 4, a reward function) with real engines: samples migrate
+    between the two engines as token ids (re-prefilled there), and the fused run equals the
+    serial one in tokens, rewards and advantages; the groups' rewards differ within a group."""
+    from dataclasses import replace
+
+    from rlhf_fusion.loop import train
+    from rlhf_fusion.loop.algorithm_config import AlgorithmConfig
+    from rlhf_fusion.loop.demo import demo_prompts
+
+    runs = {}
+    for migrate in (True, False):
+        cfg = loop_config(model_dir, world=2, migrate=migrate)
+        cfg = replace(
+            cfg, iterations=2, algorithm=AlgorithmConfig(name="grpo", n=4),
+            models=replace(cfg.models,
+                           reward={"function": "rlhf_fusion.testing.trl:vowel_reward"}),
+            generation=replace(cfg.generation, prompts_per_iteration=PROMPTS // 4))
+        runs[migrate] = train(cfg, demo_prompts(), progress=False, keep_experiences=True)
+    on, off = runs[True], runs[False]
+    for it, (a, b) in enumerate(zip(on["experience_log"], off["experience_log"], strict=True)):
+        assert [e.sample_id for e in a] == [e.sample_id for e in b] == list(range(PROMPTS))
+        for x, y in zip(a, b, strict=True):
+            assert x.response_ids == y.response_ids, f"iteration {it} sample {x.sample_id}"
+            assert x.finish_reason == y.finish_reason
+            assert (x.logprobs - y.logprobs).abs().max() <= LOGPROB_TOL
+        assert on["timelines"][it]["ranks"][0]["moved"], f"iteration {it}: nothing migrated"
+    for h_on, h_off in zip(on["history"], off["history"], strict=True):
+        assert h_on["objective/scores"] == h_off["objective/scores"]
+    assert all(h["fusion/rt"] == 14 for h in on["history"])
+    assert "critic/loss" not in on["history"][0]
+
+
 def test_loop_vllm_logprobs_are_the_policys(loop_runs, model_dir):
     from transformers import AutoModelForCausalLM
 
