@@ -44,9 +44,14 @@ def test_pair_ratios_and_the_load_control():
 
 
 def test_the_bar_below_the_bound_and_above_it():
-    # bound 1.10 < 1.15: the measured rollout must reach 90% of it and no pair be below 1.0
-    met = verdict([pair(1.0 + x, 1.0, p=i) for i, x in enumerate((0.06, 0.08, 0.1))])
+    # bound 1.10 < 1.15: the measured rollout must gain 90% of what it allows (1.09x) and no
+    # pair be below 1.0
+    met = verdict([pair(1.0 + x, 1.0, p=i) for i, x in enumerate((0.09, 0.095, 0.1))])
     assert met["bar"].startswith("bound 1.10x") and met["bar_met"]
+    assert "1.090x" in met["bar"]
+    # 90% of the ratio (0.99x) is not the bar: a median of 1.08x gains 80% of the bound's
+    assert not verdict([pair(1.0 + x, 1.0, p=i) for i, x in enumerate((0.06, 0.08, 0.1))]
+                       )["bar_met"]
     low = verdict([pair(0.95, 1.0, p=0), pair(1.2, 1.0, p=1), pair(1.2, 1.0, p=2)])
     assert not low["no_pair_below_1"] and not low["bar_met"]
     short = verdict([pair(0.985, 1.0, p=i, bound=1.1) for i in range(3)])
