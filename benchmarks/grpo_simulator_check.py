@@ -157,7 +157,10 @@ def main(argv: list[str] | None = None) -> int:
     for line in (*notes, *(f"{a}: sim {b} / measured {c}" for a, b, c in table),
                  *(f"{a}: {b}" for a, b in budget)):
         print(line)
-    write_results("grpo_simulator_check", {"iterations": args.iterations, "skip": args.skip,
+    command = " ".join(["python benchmarks/grpo_simulator_check.py",
+                        *(argv if argv is not None else sys.argv[1:])])
+    write_results("grpo_simulator_check", {"command": command,
+                                           "iterations": args.iterations, "skip": args.skip,
                                            "medians": med, "per_iteration": got, "rows": rows},
                   [("Milestones per rollout (ms; ratio: serial/fused at the scoring end)",
                     ["", "simulator", "measured"], table),
