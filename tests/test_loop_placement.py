@@ -36,9 +36,23 @@ def colocated():
     return run(tiny(WORLD, pipeline_stages=WORLD, micro_batches=MICRO))
 
 
+@pytest.fixture(scope="module")
+def preset_runs():
+    """The run under each preset, once per module (two tests read interleaved2's)."""
+    cache: dict[str, dict] = {}
+
+    def get(preset: str) -> dict:
+        if preset not in cache:
+            cache[preset] = run(tiny(WORLD, micro_batches=MICRO,
+                                     placement=PlacementSection(preset=preset)))
+        return cache[preset]
+
+    return get
+
+
 @pytest.mark.parametrize("preset", ["colocated", "interleaved", "interleaved2", "disaggregated"])
-def test_preset_equals_colocated(colocated, preset):
-    res = run(tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(preset=preset)))
+def test_preset_equals_colocated(colocated, preset_runs, preset):
+    res = preset_runs(preset)
     assert_same_run(colocated, res)
     h = res["history"][-1]
     # Weights move only to ranks that lack them, once each.
@@ -47,10 +61,10 @@ def test_preset_equals_colocated(colocated, preset):
         assert h["realloc/bytes"] > 0
 
 
-def test_inference_on_other_ranks_scores_while_generation_runs():
+def test_inference_on_other_ranks_scores_while_generation_runs(preset_runs):
     """interleaved2: ranks 2 and 3 hold the Reward and the Critic, not the generator; they
     score samples streamed from ranks 0 and 1 before the last one is generated."""
-    res = run(tiny(WORLD, micro_batches=MICRO, placement=PlacementSection(preset="interleaved2")))
+    res = preset_runs("interleaved2")
     for tl in res["timelines"]:
         gen_end = max(r["generation_end_s"] for r in tl["ranks"])
         others = [s for s in tl["scorers"] if s["rank"] in (2, 3)]
