@@ -43,14 +43,14 @@ def rank_main(rank: int, world: int, cfgs: dict[str, Any], prompt_ids: list[list
     import numpy as np
 
     from rlhf_fusion.loop.iteration import PPOWorker
+    from rlhf_fusion.loop.run import prompts_for
     from rlhf_fusion.rollout.planning.simulate import simulate_fused, simulate_serial
 
     workers = {m: PPOWorker(c) for m, c in cfgs.items()}
     ppi = cfgs["fused"].generation.prompts_per_iteration
     rows = []
     for it in range(iterations):
-        start = (it * ppi) % len(prompt_ids)
-        prompts = [prompt_ids[(start + i) % len(prompt_ids)] for i in range(ppi)]
+        prompts = prompts_for(prompt_ids, it, ppi)
         row: dict[str, Any] = {"iteration": it}
         for mode in (("fused", "serial") if it % 2 == 0 else ("serial", "fused")):
             w = workers[mode]

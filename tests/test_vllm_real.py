@@ -138,7 +138,8 @@ def test_loop_migration_on_equals_off_token_for_token(loop_runs, model_dir):
 def test_loop_grpo_migration_on_equals_off_with_vllm(model_dir):
     """GRPO (no Critic, groups of 4, a reward function) with real engines: samples migrate
     between the two engines as token ids (re-prefilled there), and the fused run equals the
-    serial one in tokens, rewards and advantages; the groups' rewards differ within a group."""
+    serial one in tokens, finish reasons, logprobs (within the engine's float32 tolerance) and
+    rewards."""
     from dataclasses import replace
 
     from rlhf_fusion.loop import train
