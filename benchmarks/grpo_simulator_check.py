@@ -119,6 +119,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=24)
     p.add_argument("--skip", type=int, default=6,
                    help="leading iterations left out of the medians (the fits settle)")
+    p.add_argument("--rt", default=None,
+                   help="the fused worker's R_t (a fraction of the batch, or auto) instead of "
+                        "the demo's; results go to grpo_simulator_check_rt<R_t>")
     args = p.parse_args(argv)
     from rlhf_fusion.launch import run_ranks
     from rlhf_fusion.loop.arithmetic import arithmetic_prompts
@@ -127,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
 
     cfgs = {"fused": grpo_demo_config(iterations=args.iterations),
             "serial": grpo_demo_config(iterations=args.iterations, serial=True)}
+    name = "grpo_simulator_check"
+    if args.rt is not None:
+        cfgs["fused"].fusion.rt = args.rt if args.rt == "auto" else float(args.rt)
+        name += f"_rt{args.rt}"
     tok = load_tokenizer(cfgs["fused"].models)
     ids = [tok.encode(x) for x in arithmetic_prompts()]
     ranks = run_ranks(rank_main, 2, cfgs, ids, args.iterations, collective_timeout=300,
@@ -159,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     command = " ".join(["python benchmarks/grpo_simulator_check.py",
                         *(argv if argv is not None else sys.argv[1:])])
-    write_results("grpo_simulator_check", {"command": command,
+    write_results(name, {"command": command,
                                            "iterations": args.iterations, "skip": args.skip,
                                            "medians": med, "per_iteration": got, "rows": rows},
                   [("Milestones per rollout (ms; ratio: serial/fused at the scoring end)",

@@ -142,24 +142,44 @@ class PagedKVPool:
         return (self.k[layer].view(n, self.num_kv_heads, self.head_dim),
                 self.v[layer].view(n, self.num_kv_heads, self.head_dim))
 
-    def export(self, blocks: Sequence[int], tokens: int) -> KVHandle:
-        idx = self.slots(blocks, 0, tokens)
+    def _slot_list(self, spans: Sequence[tuple[Sequence[int], int]]) -> torch.Tensor:
+        """Flat slots of the first ``tokens`` positions of each ``(blocks, tokens)``, one after
+        the other (built in Python: a tensor op per sample cost more than the copy itself)."""
+        bs = self.block_size
+        idx = [b[p // bs] * bs + p % bs for b, n in spans for p in range(n)]
+        return torch.tensor(idx, dtype=torch.long, device=self.device)
+
+    def export(self, spans: Sequence[tuple[Sequence[int], int]]) -> list[KVHandle]:
+        """The KV of each ``(blocks, tokens)`` span, one gather per layer for all of them: a
+        migration exports its samples at once, on the long tail's critical path (per sample,
+        10 samples took 1.5 ms on the demo's CPU)."""
+        if not spans:
+            return []
+        idx = self._slot_list(spans)
         parts = []
         for layer in range(self.num_layers):
             k, v = self.flat(layer)
             parts.append(torch.stack([k[idx], v[idx]]))
-        return KVHandle(torch.stack(parts).cpu())
+        data = torch.stack(parts).cpu()
+        return [KVHandle(x.contiguous())
+                for x in torch.split(data, [n for _, n in spans], dim=2)]
 
-    def load(self, blocks: Sequence[int], handle: KVHandle) -> None:
-        data = handle.data
-        expect = (self.num_layers, 2, data.shape[2], self.num_kv_heads, self.head_dim)
-        if tuple(data.shape) != expect:
-            raise ValueError(
-                f"KV handle has shape {tuple(data.shape)} but this model's layout is {expect} "
-                "(layers, k/v, tokens, kv_heads, head_dim); migrate between identical models"
-            )
-        idx = self.slots(blocks, 0, handle.tokens)
-        data = data.to(device=self.device, dtype=self.dtype)
+    def load(self, items: Sequence[tuple[Sequence[int], KVHandle]]) -> None:
+        """Write each handle's KV into its blocks, one scatter per layer for all of them."""
+        if not items:
+            return
+        for _, handle in items:
+            data = handle.data
+            expect = (self.num_layers, 2, data.shape[2], self.num_kv_heads, self.head_dim)
+            if tuple(data.shape) != expect:
+                raise ValueError(
+                    f"KV handle has shape {tuple(data.shape)} but this model's layout is "
+                    f"{expect} (layers, k/v, tokens, kv_heads, head_dim); migrate between "
+                    "identical models"
+                )
+        idx = self._slot_list([(blocks, h.tokens) for blocks, h in items])
+        data = torch.cat([h.data for _, h in items], dim=2).to(device=self.device,
+                                                                dtype=self.dtype)
         for layer in range(self.num_layers):
             k, v = self.flat(layer)
             k[idx] = data[layer, 0]

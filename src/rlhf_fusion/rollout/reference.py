@@ -219,6 +219,8 @@ class ReferenceBackend:
     def _admit(self, finished: list[SampleResult]) -> None:
         assert self.pool is not None
         fresh: dict[int, list[_Seq]] = {}
+        # Migrated KV arriving in this step, written to the pool at once (one scatter per layer).
+        loads: list[tuple[list[int], KVHandle]] = []
         while self._queue and len(self._active) + sum(map(len, fresh.values())) \
                 < self.max_batch_size:
             seq = self._queue[0]
@@ -238,7 +240,7 @@ class ReferenceBackend:
                 fresh.setdefault(len(spec.prompt_ids), []).append(seq)
                 continue
             if isinstance(spec.kv, KVHandle):
-                self.pool.load(seq.blocks, spec.kv)
+                loads.append((seq.blocks, spec.kv))
                 seq.kv_len = spec.kv.tokens
                 seq.spec = spec.without_kv()
             else:
@@ -246,6 +248,7 @@ class ReferenceBackend:
                 self._prefill([seq], [spec.prompt_ids + tuple(seq.generated[:-1])])
             self._active.append(seq)
             self._check_kv(seq)
+        self.pool.load(loads)
         for group in fresh.values():
             logits = self._prefill(group, [s.spec.prompt_ids for s in group])
             self._active.extend(group)
@@ -354,15 +357,15 @@ class ReferenceBackend:
         check_migration_mode(mode)
         self._require_awake("export_samples")
         assert self.pool is not None
+        taken = [s for s in (self._take(int(sid)) for sid in ids) if s is not None]
+        # (a sample already emitted, or never here, gets no ticket: nothing is duplicated)
+        live = [s for s in taken if s.blocks and mode == "kv" and s.generated]
+        exported = dict(zip((s.sid for s in live),
+                            self.pool.export([(s.blocks, s.kv_len) for s in live]), strict=True))
         tickets = []
-        for sid in ids:
-            s = self._take(int(sid))
-            if s is None:
-                continue  # already emitted (or never here): no ticket, so nothing is duplicated
-            kv: Any = None
+        for s in taken:
+            kv: Any = exported.get(s.sid)
             if s.blocks:
-                if mode == "kv" and s.generated:
-                    kv = self.pool.export(s.blocks, s.kv_len)
                 self.pool.release(s.blocks)
             elif mode == "kv" and isinstance(s.spec.kv, KVHandle):
                 kv = s.spec.kv  # imported but not yet admitted: pass its KV on untouched
