@@ -188,6 +188,26 @@ def test_tokens_do_not_depend_on_batching(model):
             assert max(abs(a - b) for a, b in zip(r.logprobs, ref[i].logprobs, strict=True)) < 1e-9
 
 
+def test_a_shared_prompt_is_prefilled_once_and_samples_as_if_alone(model):
+    # GRPO's groups: n samples of one prompt. The prompt is prefilled once per distinct
+    # prompt and its KV copied; every sample must still get the tokens it gets alone.
+    rng = random.Random(8)
+    prompts = [[rng.randrange(VOCAB) for _ in range(k)] for k in (5, 5, 3)]
+    specs = [SampleSpec(i, prompts[i % 3], max_new_tokens=12, seed=11) for i in range(12)]
+    alone = run_all(ReferenceBackend(model, max_batch_size=1), specs)
+    backend = ReferenceBackend(model, max_batch_size=16, block_size=4)
+    rows = []
+    forward = backend._forward
+    backend._forward = lambda ids, pos, ctx: (rows.append(ids.shape) if not ctx.decode
+                                              else None) or forward(ids, pos, ctx)
+    got = run_all(backend, specs)
+    assert sorted(rows) == [(1, 3), (2, 5)]   # one row per distinct prompt
+    assert len({tuple(r.token_ids) for r in got.values()}) > 3   # the samples still differ
+    for i, r in got.items():
+        assert r.token_ids == alone[i].token_ids
+        assert max(abs(a - b) for a, b in zip(r.logprobs, alone[i].logprobs, strict=True)) < 1e-9
+
+
 def test_stop_tokens_end_samples_and_are_kept(model):
     specs = make_specs(12, seed=4, max_len=60, stop=(5, 9))
     res = run_all(ReferenceBackend(model), specs)

@@ -164,6 +164,18 @@ class PagedKVPool:
         return [KVHandle(x.contiguous())
                 for x in torch.split(data, [n for _, n in spans], dim=2)]
 
+    def copy(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], tokens: int) -> None:
+        """Copy the first ``tokens`` positions of each ``(source blocks, destination blocks)``
+        pair, one gather and one scatter per layer for all of them."""
+        if not pairs:
+            return
+        src = self._slot_list([(a, tokens) for a, _ in pairs])
+        dst = self._slot_list([(b, tokens) for _, b in pairs])
+        for layer in range(self.num_layers):
+            k, v = self.flat(layer)
+            k[dst] = k[src]
+            v[dst] = v[src]
+
     def load(self, items: Sequence[tuple[Sequence[int], KVHandle]]) -> None:
         """Write each handle's KV into its blocks, one scatter per layer for all of them."""
         if not items:
