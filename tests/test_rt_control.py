@@ -1,0 +1,52 @@
+"""R_t's planner fits decode steps and prefills apart (rollout/rt_control.py)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rlhf_fusion.rollout import SampleSpec
+from rlhf_fusion.rollout.reference import ReferenceBackend
+from rlhf_fusion.rollout.rt_control import RtPlanner, TimedBackend
+from rlhf_fusion.testing import build_causal_lm, tiny_config
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return build_causal_lm(tiny_config("llama", vocab_size=40))
+
+
+def test_a_rollouts_first_step_is_timed_as_a_prefill(model):
+    timed = TimedBackend(ReferenceBackend(model, max_batch_size=4))
+    prompts = [[1, 2, 3], [4, 5, 6]]
+    timed.submit([SampleSpec(i, prompts[i % 2], max_new_tokens=3 if i == 0 else 8, seed=3)
+                  for i in range(6)])
+    while timed.unfinished():
+        timed.step()
+    # The first step admits 4 (the batch is full); the two admitted once sample 0 ends join
+    # running ones, so their step stays a decode step (continuous batching).
+    assert timed.prefill_steps == {0}
+    assert [n for n, _ in timed.prefills] == [4]
+    assert len(timed.steps) >= 5
+    timed.reset_timing()
+    assert timed.prefills == [] and timed.prefill_steps == set()
+
+
+def test_the_decode_fit_leaves_the_prefill_out():
+    # Decode steps flat at 2 ms from 1 to 40 running samples; a prefill of 64 samples, 20 ms.
+    steps = [(64, 0.020)] + [(b, 0.002) for b in (40, 30, 20, 10, 5, 2, 1)]
+    backend = SimpleNamespace(steps=steps, prefill_steps={0}, prefills=[(64, 0.020)])
+    p = RtPlanner(64, 2, bs_max=64)
+    p.observe([4] * 64, backend, [(100, 0.01)], prompt_len=6)
+    c = p.cluster()
+    assert c.step_per_sample_s == pytest.approx(0.0, abs=1e-9)
+    assert c.step_base_s == pytest.approx(0.002)
+    assert c.prefill_per_token_s == pytest.approx((0.020 - 0.002) / 64 / 6)
+    # Fitted as a decode step, the prefill made decode steps look 4x dearer at 40 samples.
+    old = RtPlanner(64, 2, bs_max=64)
+    old.observe([4] * 64, SimpleNamespace(steps=steps), [(100, 0.01)], prompt_len=6)
+    c_old = old.cluster()
+    assert c_old.step_base_s + 40 * c_old.step_per_sample_s > 4 * 0.002
