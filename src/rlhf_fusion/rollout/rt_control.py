@@ -59,8 +59,9 @@ class TimedBackend:
 
     def step(self) -> Any:
         active = getattr(self._inner, "num_active", None)
-        waiting = len(self._inner.unfinished()) - active if active is not None else 0
-        b = active or len(self._inner.unfinished())
+        # unfinished() sorts every sample id: only when nothing runs (or nothing says so)
+        waiting = 0 if active else len(self._inner.unfinished())
+        b = active or waiting
         c = time.thread_time()
         t = time.perf_counter()
         out = self._inner.step()
