@@ -108,6 +108,23 @@ def rank_main(rank: int, world: int, cfgs: dict[str, Any], prompt_ids: list[list
     return rows
 
 
+def tail_workload(iterations: int) -> tuple[dict[str, Any], list[str]]:
+    """benchmarks/grpo_loop.py's long-tailed workload: its model (saved to a temporary
+    folder), its prompts, and a fused and a serial config of it on 2 ranks."""
+    import tempfile
+    from pathlib import Path
+
+    from rlhf_fusion.loop.config import RLHFConfig
+
+    wl = grpo_loop.main_parser().parse_args(["fused-serial"])
+    root = Path(tempfile.mkdtemp(prefix="bench-grpo-interleaved-"))
+    model = grpo_loop.model_dir(wl, root)
+    cfgs = {m: RLHFConfig.from_dict(grpo_loop.loop_config(
+        wl, model, "", world=2, fused=m == "fused", iterations=iterations)
+        | {"prompts": None}) for m in ("fused", "serial")}
+    return cfgs, list(grpo_loop.PROMPTS)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--iterations", type=int, default=20)
@@ -129,18 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 "serial": grpo_demo_config(iterations=args.iterations, serial=True)}
         prompts = arithmetic_prompts()
     else:
-        import tempfile
-        from pathlib import Path
-
-        from rlhf_fusion.loop.config import RLHFConfig
-
-        wl = grpo_loop.main_parser().parse_args(["fused-serial"])
-        root = Path(tempfile.mkdtemp(prefix="bench-grpo-interleaved-"))
-        model = grpo_loop.model_dir(wl, root)
-        prompts = list(grpo_loop.PROMPTS)
-        cfgs = {m: RLHFConfig.from_dict(grpo_loop.loop_config(
-            wl, model, "", world=2, fused=m == "fused", iterations=args.iterations)
-            | {"prompts": None}) for m in ("fused", "serial")}
+        cfgs, prompts = tail_workload(args.iterations)
     tok = load_tokenizer(cfgs["fused"].models)
     ids = [tok.encode(x) for x in prompts]
     load0 = os.getloadavg()[0]

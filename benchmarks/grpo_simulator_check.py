@@ -30,6 +30,7 @@ from typing import Any
 _HERE = os.path.dirname(os.path.abspath(__file__))
 if _HERE not in sys.path:
     sys.path.insert(0, _HERE)
+import grpo_interleaved  # noqa: E402  (the tail workload)
 from _harness import write_results  # noqa: E402
 
 # benchmarks/trl.py would shadow the trl library: keep this folder off the path from here on.
@@ -119,6 +120,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--iterations", type=int, default=24)
     p.add_argument("--skip", type=int, default=6,
                    help="leading iterations left out of the medians (the fits settle)")
+    p.add_argument("--workload", choices=("demo", "tail"), default="demo",
+                   help="demo: the GRPO demo's arithmetic; tail: benchmarks/grpo_loop.py's "
+                        "long-tailed lengths (as grpo_interleaved.py --workload tail); results "
+                        "go to grpo_simulator_check_tail")
     p.add_argument("--rt", default=None,
                    help="the fused worker's R_t (a fraction of the batch, or auto) instead of "
                         "the demo's; results go to grpo_simulator_check_rt<R_t>")
@@ -128,14 +133,19 @@ def main(argv: list[str] | None = None) -> int:
     from rlhf_fusion.loop.demo_grpo import grpo_demo_config
     from rlhf_fusion.loop.models import load_tokenizer
 
-    cfgs = {"fused": grpo_demo_config(iterations=args.iterations),
-            "serial": grpo_demo_config(iterations=args.iterations, serial=True)}
     name = "grpo_simulator_check"
+    if args.workload == "demo":
+        cfgs = {"fused": grpo_demo_config(iterations=args.iterations),
+                "serial": grpo_demo_config(iterations=args.iterations, serial=True)}
+        prompts = arithmetic_prompts()
+    else:
+        cfgs, prompts = grpo_interleaved.tail_workload(args.iterations)
+        name += "_tail"
     if args.rt is not None:
         cfgs["fused"].fusion.rt = args.rt if args.rt == "auto" else float(args.rt)
         name += f"_rt{args.rt}"
     tok = load_tokenizer(cfgs["fused"].models)
-    ids = [tok.encode(x) for x in arithmetic_prompts()]
+    ids = [tok.encode(x) for x in prompts]
     ranks = run_ranks(rank_main, 2, cfgs, ids, args.iterations, collective_timeout=300,
                       timeout=3600)
     rows = next(r.value for r in ranks if r.rank == 0)

@@ -9,7 +9,7 @@ import torch
 
 from rlhf_fusion.rollout import SampleSpec
 from rlhf_fusion.rollout.reference import ReferenceBackend
-from rlhf_fusion.rollout.rt_control import RtPlanner, TimedBackend
+from rlhf_fusion.rollout.rt_control import REPLAN_MAX, RtPlanner, TimedBackend
 from rlhf_fusion.testing import build_causal_lm, tiny_config
 
 
@@ -50,3 +50,30 @@ def test_the_decode_fit_leaves_the_prefill_out():
     old.observe([4] * 64, SimpleNamespace(steps=steps), [(100, 0.01)], prompt_len=6)
     c_old = old.cluster()
     assert c_old.step_base_s + 40 * c_old.step_per_sample_s > 4 * 0.002
+
+
+def test_a_choice_that_holds_is_swept_ever_more_rarely_and_a_change_sweeps_again():
+    """A sweep costs about a hundred simulated rollouts on the rollout's critical path: while
+    it keeps choosing the R_t in use, the iterations between sweeps double up to REPLAN_MAX;
+    one that moves R_t sets them back to one."""
+    steps = [(b, 0.002 + 0.0001 * b) for b in (1, 2, 4, 8, 16, 24)] * 3
+    p = RtPlanner(48, 2, bs_max=64)
+
+    def feed(lengths):
+        p.dist = None
+        p.observe(lengths, SimpleNamespace(steps=steps), [(1000, 0.02)] * 4, prompt_len=10)
+
+    feed([10] * 40 + [250] * 8)
+    swept_at = []
+    for i in range(20):
+        before = p.sweeps
+        rt = p.rt()
+        assert rt > 0
+        if p.sweeps > before:
+            swept_at.append(i)
+    assert swept_at == [0, 1, 3, 7, 15]       # intervals 1, 1, 2, 4, 8
+    assert REPLAN_MAX == 8 and p.history == [p.history[0]] * 20
+    feed([30] * 48)                           # the tail is gone: the next sweep says 0
+    got = [p.rt() for _ in range(10)]
+    assert got[:3] == [rt] * 3 and got[3] == 0, got   # the sweep due at iteration 23
+    assert p.sweeps == 5 + 3                   # 23, then 24 (interval one), then 26

@@ -56,13 +56,14 @@ def rollout_time(cost: CostModel, mesh: DeviceMesh, s: Layout,
                       bandwidth_bytes_s=hw.ib_bw, latency_s=hw.link_latency_s,
                       prompt_len=p.prompt_len)
     lengths = response_lengths(cost)
-    total, gen_end, finish = simulate_serial(lengths, cm)
+    serial = simulate_serial(lengths, cm)
+    total, gen_end, _ = serial
     if not absorbed:
         return gen_end, {"generation_s": gen_end}
     best, rt_best = total, None
     if s.dp >= 2:
         for rt in rt_grid(p.batch, points=RT_POINTS):
-            r = simulate_fused(lengths, cm, rt, serial_finish=finish)
+            r = simulate_fused(lengths, cm, rt, serial=serial)
             if r.fused_s < best:
                 best, rt_best = r.fused_s, rt
     return best, {"generation_s": gen_end, "serial_rollout_s": total, "fused_rollout_s": best,

@@ -37,6 +37,11 @@ FIRST_FRACTION = 0.25
 MIN_GAIN = 0.01
 # Weight of the newest batch when the length distribution is refined.
 REFINE_WEIGHT = 0.5
+# A sweep simulates about a hundred rollouts (20 ms for 64 samples on one CPU core), and it
+# runs on the rollout's critical path: every rank waits for rank ``src``'s choice. While the
+# sweep keeps choosing the R_t already in use, the iterations between sweeps double, up to
+# this many; a sweep that moves R_t sets them back to one.
+REPLAN_MAX = 8
 
 
 class TimedBackend:
@@ -125,6 +130,9 @@ class RtPlanner:
         self.prompt_len = 0
         self.current: int | None = None
         self.history: list[int] = []
+        self.sweeps = 0          # simulated decisions so far
+        self._interval = 1       # iterations from one sweep to the next
+        self._skip = 0           # iterations left before the next sweep
 
     def observe(self, lengths: Sequence[int], backend: TimedBackend,
                 scoring: Sequence[tuple[int, float]] = (), prompt_len: float = 0.0) -> None:
@@ -172,6 +180,7 @@ class RtPlanner:
             return self.fixed
         if self.dist is None:
             return max(1, round(FIRST_FRACTION * self.batch))
+        self.sweeps += 1
         plan = plan_migration(self.dist, self.cluster(), self.batch, trials=4, seed=0,
                               tolerance=TOLERANCE, pick="middle")
         # No migration (R_t = 0, the serial rollout) whenever the simulator predicts no gain
@@ -189,13 +198,25 @@ class RtPlanner:
 
     def rt(self) -> int:
         """R_t for the next rollout, 0 for no migration (the serial rollout); collective when
-        distributed and simulated (rank ``src`` decides)."""
+        distributed and simulated (rank ``src`` decides). Between sweeps (``REPLAN_MAX``)
+        every rank keeps the R_t in use without a round trip: each has observed the same
+        lengths, so each counts the same iterations."""
+        if self.fixed is None and self._skip > 0 and self.current is not None:
+            self._skip -= 1
+            self.history.append(self.current)
+            return self.current
+        swept = self.fixed is None and self.dist is not None
         box = [self._decide() if not dist.is_initialized() or dist.get_rank() == self.src
                or self.fixed is not None else None]
         if dist.is_initialized() and self.fixed is None:
             # Only a simulated R_t needs rank src's decision (the others observed other
             # timings); a fixed one is the same config on every rank, so no round trip.
             dist.broadcast_object_list(box, src=self.src)
-        self.current = int(box[0])
+        value = int(box[0])
+        if swept:
+            same = value == self.current
+            self._interval = min(2 * self._interval, REPLAN_MAX) if same else 1
+            self._skip = self._interval - 1
+        self.current = value
         self.history.append(self.current)
         return self.current

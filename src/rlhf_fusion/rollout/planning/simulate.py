@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, TypedDict
@@ -90,38 +91,64 @@ def _run_instance(
     wait, and admitting one costs a prefill unless it already has tokens (a migrated sample
     whose KV arrived or was rebuilt during the migration). With ``stop_at``, stops after the
     last whole step ending by then, leaving ``generated`` / ``running`` as at that moment.
+
+    Event-driven: between two finishes every running sample advances by the same number of
+    steps, so each segment is one closed-form sum. The running samples sit in a heap keyed by
+    the step count at which each finishes, and their KV total is kept as a sum that grows by
+    the batch size per step: O(n log n) per call, where re-reading the batch at every finish
+    was O(n^2) (R_t's planner runs this hundreds of times per decision, between rollouts).
     """
     finish: dict[int, float] = {}
     t = start
     running = [s for s in samples if s.running]
-    active = running[: c.bs_max]
-    queue = running[c.bs_max:] + [s for s in samples if not s.running]
+    queue = deque(running[c.bs_max:] + [s for s in samples if not s.running])
     for s in queue:
         s.running = False
+    steps_done = 0   # decode steps this instance has run since ``start``
+    # (step count at which the sample finishes, admission order, sample, steps_done when it
+    # was admitted with ``generated`` tokens): generated = that + steps_done - admitted
+    heap: list[tuple[int, int, _S, int]] = []
+    kv0 = 0          # sum over the running of (prompt + generated - 1) - steps_done * 1
+    order = 0
+
+    def enter(s: _S) -> None:
+        nonlocal kv0, order
+        heapq.heappush(heap, (steps_done + s.length - s.generated, order, s, steps_done))
+        kv0 += s.prompt + s.generated - 1 - steps_done
+        order += 1
+
+    def settle() -> None:
+        # Write back each running sample's tokens so far (callers read them after stop_at).
+        for _, _, s, at in heap:
+            s.generated += steps_done - at
+
+    for s in running[: c.bs_max]:
+        enter(s)
 
     def admit() -> bool:
         nonlocal t
-        while queue and len(active) < c.bs_max:
+        while queue and len(heap) < c.bs_max:
             s = queue[0]
             cost = c.prefill_per_token_s * s.prompt if s.generated == 0 else 0.0
             if stop_at is not None and t + cost > stop_at:
                 return False
-            queue.pop(0)
+            queue.popleft()
             t += cost
             s.running = True
             s.generated = max(s.generated, 1)  # the prefill emits the first token
             if s.generated >= s.length:
                 finish[s.sid] = t
             else:
-                active.append(s)
+                enter(s)
         return True
 
     if not admit():
+        settle()
         return finish, t
-    while active:
-        b = len(active)
-        kv = sum(s.prompt + s.generated - 1 for s in active)
-        steps = min(s.length - s.generated for s in active)
+    while heap:
+        b = len(heap)
+        kv = kv0 + b * steps_done
+        steps = heap[0][0] - steps_done
         base = c.step_base_s + c.step_per_sample_s * b + c.step_per_kv_token_s * kv
         grow = c.step_per_kv_token_s * b
         dur = steps * base + grow * steps * (steps - 1) / 2
@@ -129,18 +156,20 @@ def _run_instance(
             j = np.arange(1, steps + 1)
             cum = j * base + grow * j * (j - 1) / 2
             done = int(np.searchsorted(cum, stop_at - t, side="right"))
-            for s in active:
-                s.generated += done
+            steps_done += done
             t += float(cum[done - 1]) if done else 0.0
+            settle()
             return finish, t
         t += dur
-        for s in active:
-            s.generated += steps
-        for s in [s for s in active if s.generated >= s.length]:
+        steps_done += steps
+        while heap and heap[0][0] == steps_done:
+            _, _, s, at = heapq.heappop(heap)
+            s.generated += steps_done - at
+            kv0 -= s.prompt + s.generated - 1 - steps_done
             finish[s.sid] = t
             s.running = False
-        active = [s for s in active if s.generated < s.length]
         if not admit():
+            settle()
             return finish, t
     return finish, t
 
@@ -194,16 +223,17 @@ def serial_scored_at(lengths: np.ndarray, c: ClusterModel) -> dict[int, float]:
 
 
 def simulate_fused(lengths: np.ndarray, c: ClusterModel, rt: int,
-                   serial_finish: dict[int, float] | None = None,
+                   serial: tuple[float, float, dict[int, float]] | None = None,
                    mechanism: str | None = None) -> IterationResult:
-    """One iteration with migration at R_t remaining samples (``rt``).
+    """One iteration with migration at R_t remaining samples (``rt``). ``serial``: what
+    :func:`simulate_serial` returns for these ``lengths`` and ``c``, when the caller has it
+    (a sweep over R_t simulates the serial run once).
 
     Returns inf for ``fused_s`` when the configuration is infeasible (m >= instances).
     """
     n = len(lengths)
-    serial_total, serial_gen, finish = simulate_serial(lengths, c)
-    if serial_finish is not None:
-        finish = serial_finish
+    serial_total, serial_gen, finish = serial if serial is not None else simulate_serial(
+        lengths, c)
     longest = c.prompt_len + int(max(lengths))
     m = required_instances(rt, c.bs_max, longest, c.kv_capacity_tokens)
     if m >= c.instances:
@@ -357,7 +387,7 @@ def sweep_rt(
         it = tqdm(grid, desc="simulating R_t", unit="R_t")
     out = SweepResult(batch_size)
     for rt in it:
-        res = [simulate_fused(b, c, rt, serial_finish=s[2])
+        res = [simulate_fused(b, c, rt, serial=s)
                for b, s in zip(batches, serial, strict=True)]
         fused = float(np.mean([r.fused_s for r in res]))
         mech = max({r.mechanism for r in res}, key=[r.mechanism for r in res].count)
