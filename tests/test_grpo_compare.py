@@ -71,3 +71,12 @@ def test_a_ratio_above_the_bound_is_flagged_and_waits_are_read():
                     "time/scoring_cpu": 0.1}])
     assert wait_per_cpu(t) == pytest.approx({"decode": 3.0, "scoring": 5.0})
     assert wait_per_cpu(run_times(hist([1.0], [1.0], [None]))) == {}
+
+
+def test_warmup_iterations_are_listed_but_left_out_of_the_times():
+    # Iteration 0 paid the processes' one-off costs (10 s); the rest is the run's work.
+    t = run_times(hist([10.0, 1.0, 3.0], [0.5, 0.5, 0.5], [2.0, 1.2, None]), warmup=1)
+    assert t["rollout_s"] == 4.0 and t["train_s"] == 1.0 and t["warmup_rollout_s"] == 10.0
+    assert t["bound"] == pytest.approx((1.2 + 3.0) / 4.0)   # iteration 0's bound left out too
+    assert len(t["per_iteration"]) == 3
+    assert run_times(hist([10.0, 1.0], [0.5, 0.5], [None, None]))["rollout_s"] == 11.0

@@ -137,27 +137,37 @@ BAR_MEDIAN = 1.15      # issue 37: median serial/fused at least this ...
 # asks for 1.09x. (90% of the ratio itself, 0.99x, would pass a run that gains nothing.)
 BAR_OF_BOUND = 0.90
 CONTROL_DRIFT = 0.10   # training is the same work in both modes: a larger ratio is load drift
+# Iterations left out of --compare's times: a process's first rollout pays its one-off costs
+# (thread pools, the allocator's first blocks, lazy imports), and in an interleaved pair the
+# mode that runs first pays them. Measured: 0.30-1.02 s against 0.10-0.17 s for the other
+# mode on a fresh 16-core VM, against rollouts of 0.04-0.06 s later on: up to a third of a
+# run's summed rollout, which decided the pair's ratio by its order alone.
+WARMUP_ITERATIONS = 1
 ABOVE_BOUND = 1.10     # a measured rollout ratio this far above the bound is not fusion's alone
 
 
-def run_times(hist: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+def run_times(hist: Sequence[Mapping[str, Any]], warmup: int = 0) -> dict[str, Any]:
     """One run's stage seconds (summed over iterations and per iteration) and the simulator's
     bound for it: each iteration's bound weighted by its fused rollout time, so it compares
-    with the ratio of the summed rollouts (an iteration with no bound, R_t = 0, counts 1.0)."""
+    with the ratio of the summed rollouts (an iteration with no bound, R_t = 0, counts 1.0).
+    The first ``warmup`` iterations are listed per iteration but left out of the sums."""
     def train_s(h: Mapping[str, Any]) -> float:
         return float(h["time/training"])
 
-    roll = [float(h["time/rollout"]) for h in hist]
+    roll_all = [float(h["time/rollout"]) for h in hist]
+    timed = list(hist[warmup:])
+    roll = roll_all[warmup:]
     out: dict[str, Any] = {
-        "rollout_s": sum(roll), "train_s": sum(train_s(h) for h in hist),
-        "iteration_s": sum(float(h["time/iteration"]) for h in hist),
+        "rollout_s": sum(roll), "train_s": sum(train_s(h) for h in timed),
+        "iteration_s": sum(float(h["time/iteration"]) for h in timed),
+        "warmup": warmup, "warmup_rollout_s": sum(roll_all[:warmup]),
         "per_iteration": [{"rollout": r, "train": train_s(h),
                            "bound": h.get("fusion/simulated_speedup")}
-                          for r, h in zip(roll, hist, strict=True)],
-        "accounts": {k: sum(float(h[k]) for h in hist) for k in ACCOUNT_KEYS
-                     if all(k in h for h in hist)},
+                          for r, h in zip(roll_all, hist, strict=True)],
+        "accounts": {k: sum(float(h[k]) for h in timed) for k in ACCOUNT_KEYS
+                     if all(k in h for h in timed)},
     }
-    bounds = [h.get("fusion/simulated_speedup") for h in hist]
+    bounds = [h.get("fusion/simulated_speedup") for h in timed]
     if any(b is not None for b in bounds) and sum(roll) > 0:
         out["bound"] = sum(r * (b if b is not None else 1.0)
                            for r, b in zip(roll, bounds, strict=True)) / sum(roll)
@@ -272,7 +282,9 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
 
     Interleaved, not separate runs: on a shared or oversubscribed machine the load moves by
     tens of percent between two runs, more than the few percent inter-stage fusion gains on
-    this workload (``benchmarks/results/grpo_demo_compare_analysis.md``)."""
+    this workload (``benchmarks/results/grpo_demo_compare_analysis.md``). The times leave out
+    iteration 0 (``WARMUP_ITERATIONS``, printed apart): the mode that runs it first pays the
+    processes' one-off costs."""
     import os
 
     from ..launch import run_ranks
@@ -289,6 +301,7 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
     prompt_ids = [tok.encode(x) for x in prompts]
     rows: list[dict[str, Any]] = []
     reference = None
+    warmup = min(WARMUP_ITERATIONS, iterations - 1)
     for pair in range(pairs):
         first = "fused" if pair % 2 == 0 else "serial"
         load = os.getloadavg()[0]
@@ -307,7 +320,7 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
                 raise CompareError(f"pair {pair}, {mode}: the reward of iteration {i} "
                                    f"differs ({rewards[i]} vs {reference[i]}); fused "
                                    "and serial must sample alike")
-            got[mode] = run_times(hist) | {"load_before": load,
+            got[mode] = run_times(hist, warmup) | {"load_before": load,
                                             "load_after": os.getloadavg()[0]}
         row = pair_row(pair, first, got["fused"], got["serial"])
         rows.append(row)
@@ -329,6 +342,11 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
     grpo_compare_png(rows, out / "compare.png")
     print()
     print("\n".join(_breakdown_lines(rows)))
+    if warmup:
+        print(f"times over iterations {warmup}-{iterations - 1}; iteration 0 (warm-up: the mode "
+              "that runs first pays the processes' one-off costs) took " + ", ".join(
+                  f"pair {r['pair']}: fused {r['fused']['warmup_rollout_s']:.2f} s, serial "
+                  f"{r['serial']['warmup_rollout_s']:.2f} s" for r in rows))
     bound = v["median_bound"]
     print(f"rewards equal in every iteration of every run; median serial/fused over {pairs} "
           f"pairs: rollout {v['median_rollout_ratio']:.2f}x"
