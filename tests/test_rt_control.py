@@ -77,3 +77,26 @@ def test_a_choice_that_holds_is_swept_ever_more_rarely_and_a_change_sweeps_again
     got = [p.rt() for _ in range(10)]
     assert got[:3] == [rt] * 3 and got[3] == 0, got   # the sweep due at iteration 23
     assert p.sweeps == 5 + 3                   # 23, then 24 (interval one), then 26
+
+
+def test_a_checkpoint_keeps_the_sweep_schedule_and_the_prefill_fit():
+    """A resumed run decides as the uninterrupted one would: the prefills fitted so far and
+    where the sweep schedule stands travel with the planner's observations."""
+    from rlhf_fusion.loop.checkpoint import load_worker_state, worker_state
+
+    steps = [(64, 0.020)] + [(b, 0.002 + 0.0001 * b) for b in (40, 24, 16, 8, 4, 2, 1)]
+    backend = SimpleNamespace(steps=steps, prefill_steps={0}, prefills=[(64, 0.020)])
+
+    def worker(p):
+        return SimpleNamespace(rt_planner=p, iteration_index=4, world=1, rank=0,
+                               training_modules=dict, optimizers={})
+
+    p = RtPlanner(48, 2, bs_max=64)
+    p.observe([10] * 40 + [250] * 8, backend, [(1000, 0.02)] * 4, prompt_len=10)
+    for _ in range(4):
+        p.rt()                                  # swept at 0, 1 and 3: the next at 7
+    q = RtPlanner(48, 2, bs_max=64)
+    load_worker_state(worker(q), worker_state(worker(p), []))
+    assert q.prefills == p.prefills and q.cluster() == p.cluster()
+    assert [q.rt() for _ in range(6)] == [p.rt() for _ in range(6)]
+    assert q.sweeps == p.sweeps == 4

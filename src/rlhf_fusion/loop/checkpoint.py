@@ -52,7 +52,9 @@ def worker_state(worker: Any, history: list[dict[str, float]]) -> dict[str, Any]
                        (planner.dist.lengths.tolist(), planner.dist.weights.tolist()),
                        "by_batch": dict(planner.by_batch),
                        "scoring": planner.scoring, "current": planner.current,
-                       "history": planner.history, "prompt_len": planner.prompt_len},
+                       "history": planner.history, "prompt_len": planner.prompt_len,
+                       "prefills": [list(x) for x in planner.prefills],
+                       "sweeps": [planner.sweeps, planner._interval, planner._skip]},
         # the KL coefficient an adaptive controller has reached (fixed: the configured one)
         "kl_ctrl": kl.state_dict() if kl is not None else None,
         "history": history,
@@ -88,6 +90,9 @@ def load_worker_state(worker: Any, ck: dict[str, Any], where: str = "checkpoint"
     planner.current = st["current"]
     planner.history = list(st["history"])
     planner.prompt_len = st["prompt_len"]
+    # (older checkpoints: no prefill fit, and a sweep at the first iteration)
+    planner.prefills = [tuple(x) for x in st.get("prefills", [])]
+    planner.sweeps, planner._interval, planner._skip = st.get("sweeps", (0, 1, 0))
     if ck.get("kl_ctrl") is not None:   # (older checkpoints: the configured coefficient)
         worker.kl.load_state_dict(ck["kl_ctrl"])
     worker.iteration_index = ck["iteration"]

@@ -108,7 +108,7 @@ def _run_instance(
     # (step count at which the sample finishes, admission order, sample, steps_done when it
     # was admitted with ``generated`` tokens): generated = that + steps_done - admitted
     heap: list[tuple[int, int, _S, int]] = []
-    kv0 = 0          # sum over the running of (prompt + generated - 1) - steps_done * 1
+    kv0 = 0          # sum over the running of (prompt + generated - 1 - steps_done) at entry
     order = 0
 
     def enter(s: _S) -> None:
