@@ -6,7 +6,10 @@ device machine's 16 CPU cores, recomputed alike and pooled.
 
 Reads ``results/demo_compare_grpo_16cores_run*.json``. Every run is recomputed from its
 per-iteration rollouts with iteration 0 left out (``WARMUP_ITERATIONS``; run 1 predates it and
-counted it), and the bound weighted over the same iterations. Writes
+counted it), and the bound weighted over the same iterations. Beside them, from the simulator
+checks run on the same machines (``results/grpo_simulator_check_16cores*.json``) and on the
+2-core VM (``results/grpo_simulator_check.json``): how far apart the serial run's two ranks
+end their scoring, which splits statically, each rank its own shard. Writes
 ``results/grpo_16cores.{json,md}``.
 """
 
@@ -17,6 +20,7 @@ import statistics
 import sys
 from pathlib import Path
 
+import grpo_simulator_check
 from _harness import RESULTS_DIR, write_results
 
 from rlhf_fusion.loop.demo_grpo import BAR_MEDIAN, BAR_OF_BOUND, WARMUP_ITERATIONS
@@ -59,11 +63,30 @@ def main() -> int:
                "on a 16-core machine; this header names the machine that summarised them)",
                "runs": out, "pooled_median": med, "pooled_bound": bound, "pooled_need": need,
                "pooled_min": min(r for r, _ in pooled), "pairs": len(pooled)}
+    balance = []
+    for name in ("grpo_simulator_check_16cores_run1", "grpo_simulator_check_16cores",
+                 "grpo_simulator_check"):
+        p = Path(RESULTS_DIR) / f"{name}.json"
+        if not p.exists():
+            continue
+        d = json.loads(p.read_text())
+        got = [m for m in (grpo_simulator_check.measure(r) for r in d["rows"][d["skip"]:]) if m]
+        mm = {k: statistics.median(m[k] for m in got) for k in got[0]}
+        balance.append([name, f"{d['device']['cpu_cores']}", d["date_utc"][:16],
+                        f"{mm['serial ranks scoring speed ratio']:.3f}",
+                        f"{mm['serial end imbalance']:.2f}", f"{mm['end imbalance']:.2f}",
+                        f"{mm['ratio']:.3f}x", f"{mm['sim ratio']:.3f}x"])
+    summary["serial_balance"] = balance
     write_results("grpo_16cores", summary, [(
         "rlhf-fusion demo --algo grpo --compare on 16 CPU cores (the device machine's CPU; "
         "no GPU used): rollout serial/fused over iterations 1-39",
         ["run", "date (UTC)", "machine's GPU (unused)", "pairs", "median", "bound", "bar",
-         "verdict", "as printed then"], rows)],
+         "verdict", "as printed then"], rows),
+        ("The serial run's static scoring split: its two ranks' speeds and ends (medians per "
+         "rollout, iterations 6-39)",
+         ["simulator check", "cores", "date (UTC)", "serial ranks' scoring speed, slower/faster",
+          "serial ranks' end gap ms", "fused ranks' end gap ms", "measured scoring end ratio",
+          "simulator"], balance)],
         [f"Pooled over {len(pooled)} pairs: median {med:.3f}x against a bound of {bound:.3f}x "
          f"(bar >= {need:.3f}x); lowest pair {summary['pooled_min']:.3f}x. Run 1 ran before "
          "iteration 0 was left out of the times (it printed 1.01x with it); its code is "
