@@ -23,16 +23,21 @@ from pathlib import Path
 import grpo_simulator_check
 from _harness import RESULTS_DIR, write_results
 
-from rlhf_fusion.loop.demo_grpo import BAR_MEDIAN, BAR_OF_BOUND, WARMUP_ITERATIONS
+from rlhf_fusion.loop.demo_grpo import BAR_MEDIAN, WARMUP_ITERATIONS, bar_need, run_times
 
 
 def pair_ratio(pair: dict) -> tuple[float, float]:
-    """(serial/fused rollout, the simulator's bound) over the iterations after the warm-up."""
-    f = pair["fused"]["per_iteration"][WARMUP_ITERATIONS:]
-    s = pair["serial"]["per_iteration"][WARMUP_ITERATIONS:]
-    fr = sum(x["rollout"] for x in f)
-    bound = sum(x["rollout"] * (x["bound"] or 1.0) for x in f) / fr
-    return sum(x["rollout"] for x in s) / fr, bound
+    """(serial/fused rollout, the simulator's bound) over the iterations after the warm-up,
+    by ``run_times`` on the stored per-iteration seconds."""
+    def times(mode: str) -> dict:
+        hist = [{"time/rollout": x["rollout"], "time/training": x["train"],
+                 "time/iteration": x["rollout"] + x["train"],
+                 **({"fusion/simulated_speedup": x["bound"]} if x["bound"] else {})}
+                for x in pair[mode]["per_iteration"]]
+        return run_times(hist, WARMUP_ITERATIONS)
+
+    fused = times("fused")
+    return times("serial")["rollout_s"] / fused["rollout_s"], fused["bound"]
 
 
 def main() -> int:
@@ -46,7 +51,7 @@ def main() -> int:
         got = [pair_ratio(x) for x in d["pairs"]]
         ratios = [r for r, _ in got]
         med, bound = statistics.median(ratios), statistics.median(b for _, b in got)
-        need = BAR_MEDIAN if bound >= BAR_MEDIAN else 1 + BAR_OF_BOUND * (bound - 1)
+        need = bar_need(bound) or BAR_MEDIAN
         met = med >= need and min(ratios) >= 1.0
         pooled += got
         out.append({"run": p.stem, "date_utc": d["date_utc"], "gpu_host": d["device"]["gpu"],
@@ -58,7 +63,7 @@ def main() -> int:
                      f"{d['median_rollout_ratio']:.3f}x"])
     med = statistics.median(r for r, _ in pooled)
     bound = statistics.median(b for _, b in pooled)
-    need = 1 + BAR_OF_BOUND * (bound - 1) if bound < BAR_MEDIAN else BAR_MEDIAN
+    need = bar_need(bound) or BAR_MEDIAN
     summary = {"command": "python benchmarks/grpo_16cores_summary.py (summarises runs made "
                "on a 16-core machine; this header names the machine that summarised them)",
                "runs": out, "pooled_median": med, "pooled_bound": bound, "pooled_need": need,

@@ -189,6 +189,12 @@ def pair_row(pair: int, first: str, fused: dict[str, Any], serial: dict[str, Any
             "gain_of_bound": (rollout - 1) / (bound - 1) if bound and bound > 1 else None}
 
 
+def bar_need(bound: float) -> float | None:
+    """The median rollout ratio issue 37's bar asks for when the simulator's bound is below
+    BAR_MEDIAN (90% of the bound's gain); None when the plain BAR_MEDIAN bar applies."""
+    return 1 + BAR_OF_BOUND * (bound - 1) if bound < BAR_MEDIAN else None
+
+
 def verdict(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     """The bar of issue 37 on these pairs (rewards equal is checked while running)."""
     ratios = [r["iteration_ratio"] for r in rows]
@@ -205,8 +211,8 @@ def verdict(rows: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
            # above the simulator's ceiling: something other than the overlap made serial slower
            # (on an oversubscribed CPU, the scheduler: see wait_per_cpu_s)
            "above_bound": bound is not None and med_roll > ABOVE_BOUND * bound}
-    if bound is not None and bound < BAR_MEDIAN:
-        need = 1 + BAR_OF_BOUND * (bound - 1)
+    need = bar_need(bound) if bound is not None else None
+    if need is not None:
         out["bar"] = (f"bound {bound:.2f}x < {BAR_MEDIAN}x: rollout gains >= "
                       f"{BAR_OF_BOUND:.0%} of what the bound allows, >= {need:.3f}x")
         out["bar_met"] = out["no_pair_below_1"] and med_roll >= need
