@@ -128,6 +128,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="demo: the GRPO demo's arithmetic; tail: benchmarks/grpo_loop.py's "
                         "long-tailed lengths (as grpo_interleaved.py --workload tail); results "
                         "go to grpo_simulator_check_tail")
+    p.add_argument("--baseline", choices=("balanced", "static"), default="balanced",
+                   help="the serial worker: balanced (its ranks balance their scoring through "
+                        "the stream, as the fused rollout's do: the bar's baseline) or static "
+                        "(each rank scores its own samples; the checks before session 47)")
     p.add_argument("--rt", default=None,
                    help="the fused worker's R_t (a fraction of the batch, or auto) instead of "
                         "the demo's; results go to grpo_simulator_check_rt<R_t>")
@@ -145,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cfgs, prompts = grpo_interleaved.tail_workload(args.iterations)
         name += "_tail"
+    cfgs["serial"].fusion.balance_scoring = args.baseline == "balanced"
+    if args.baseline == "static":
+        name += "_static"
     if args.rt is not None:
         cfgs["fused"].fusion.rt = args.rt if args.rt == "auto" else float(args.rt)
         name += f"_rt{args.rt}"
@@ -174,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
         "serial ms per micro-batch", "freed rank ms per micro-batch", "end imbalance",
         "serial end imbalance", "serial ranks scoring speed ratio")]
     notes = [f"{len(got)} fused rollouts with a migration (iterations {args.skip}-"
-             f"{args.iterations - 1}), medians; rewards equal in every iteration; window ratio "
+             f"{args.iterations - 1}), medians; serial: {args.baseline} scoring; rewards "
+             f"equal in every iteration; window ratio "
              f"(the rollout as the demo times it) {med['window ratio']:.3f}x; balanced ratio: "
              "serial end / balanced end."]
     for line in (*notes, *(f"{a}: sim {b} / measured {c}" for a, b, c in table),
@@ -182,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
         print(line)
     command = " ".join(["python benchmarks/grpo_simulator_check.py",
                         *(argv if argv is not None else sys.argv[1:])])
-    write_results(name, {"command": command,
-                                           "iterations": args.iterations, "skip": args.skip,
+    write_results(name, {"command": command, "baseline": args.baseline,
+                         "iterations": args.iterations, "skip": args.skip,
                                            "medians": med, "per_iteration": got, "rows": rows},
                   [("Milestones per rollout (ms; ratio: serial/fused at the scoring end)",
                     ["", "simulator", "measured"], table),

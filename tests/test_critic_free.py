@@ -181,8 +181,9 @@ def test_the_grpo_demo_runs_and_reports(tmp_path, monkeypatch, capsys):
     assert "--compare runs both modes" in capsys.readouterr().err
     real = demo_grpo.grpo_demo_config
 
-    def tiny(*, iterations: int, serial: bool):
-        cfg = real(iterations=iterations, serial=serial, world_size=1)
+    def tiny(*, iterations: int, serial: bool, balance_scoring: bool = False):
+        cfg = real(iterations=iterations, serial=serial, world_size=1,
+                   balance_scoring=balance_scoring)
         cfg.generation.prompts_per_iteration, cfg.generation.max_new_tokens = 4, 8
         cfg.fusion.inter = False
         return cfg
@@ -196,6 +197,7 @@ def test_the_grpo_demo_runs_and_reports(tmp_path, monkeypatch, capsys):
     assert "reward: first 2 iterations" in capsys.readouterr().out
     c = demo_grpo.compare_grpo(tmp_path, pairs=1, iterations=1)
     assert c["rewards_equal"] and len(c["pairs"]) == 1
+    assert c["baseline"] == "balanced" and {"fused", "serial", "balanced"} <= set(c["pairs"][0])
 
 
 def test_rlhf_fusion_train_runs_a_grpo_config(tmp_path):

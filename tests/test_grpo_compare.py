@@ -80,3 +80,18 @@ def test_warmup_iterations_are_listed_but_left_out_of_the_times():
     assert t["bound"] == pytest.approx((1.2 + 3.0) / 4.0)   # iteration 0's bound left out too
     assert len(t["per_iteration"]) == 3
     assert run_times(hist([10.0, 1.0], [0.5, 0.5], [None, None]))["rollout_s"] == 11.0
+
+
+def test_the_bar_is_judged_against_the_balanced_serial_run_when_there_is_one():
+    """A fused rollout 1.0 s, the static split 1.2 s (one rank scored slower), the balanced
+    serial run 1.05 s: the bar's ratio is 1.05x (the overlap's), the static one is reported."""
+    fused = run_times(hist([1.0], [1.0], [1.1]))
+    static = run_times(hist([1.2], [1.0], [None]))
+    balanced = run_times(hist([1.05], [1.0], [None]))
+    r = pair_row(0, "fused", fused, static, balanced)
+    assert r["baseline"] == "balanced"
+    assert r["rollout_ratio"] == pytest.approx(1.05)
+    assert r["static_rollout_ratio"] == pytest.approx(1.2)
+    assert r["gain_of_bound"] == pytest.approx(0.5)
+    assert not verdict([r])["bar_met"]   # 1.05x < 1.09x, though the static split gives 1.2x
+    assert pair_row(0, "fused", fused, static)["rollout_ratio"] == pytest.approx(1.2)

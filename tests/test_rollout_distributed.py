@@ -90,6 +90,34 @@ def test_ranks_that_cannot_share_memory_trigger_through_the_store():
         assert abs(a.reward - b.reward) < 1e-9
 
 
+@pytest.mark.parametrize("board", ["shared", "store"])
+def test_balanced_scoring_hands_a_slow_rank_s_micro_batches_to_the_other(board):
+    """``balance_scoring``: a rollout without migration whose rank 0 scores 40 ms slower per
+    micro-batch. The static split leaves each rank its own 8 samples (3 micro-batches of 3);
+    balanced, rank 1 scores some of rank 0's after its own, and the experiences equal the
+    static serial rollout's."""
+    configs = [RolloutConfig(fused=False), RolloutConfig(fused=False, balance_scoring=True)]
+    out = [r.value for r in run_ranks(
+        tiny_job_worker, 2, job(configs, slow_scoring={0: 0.04},
+                                no_board_ranks=(1,) if board == "store" else ()),
+        collective_timeout=60)]
+    static, balanced = out[0][0]["output"], out[0][1]["output"]
+    assert {st["board"] for st in balanced.stats["ranks"]} == {board}
+    assert [st["scoring_batches"] for st in static.stats["ranks"]] == [3, 3]
+    ranks = balanced.stats["ranks"]
+    assert sum(st["scored"] for st in ranks) == 16
+    assert ranks[1]["scored"] > 8 and ranks[0]["scoring_batches"] < 3, ranks
+    # No overlap: scoring starts after every rank's generation, as in the static split.
+    assert min(st["inference_start_s"] + st["t0"] for st in ranks) >= max(
+        st["generation_end_s"] + st["t0"] for st in ranks)
+    assert [e.sample_id for e in balanced.experiences] == list(range(16))
+    for a, b in zip(static.experiences, balanced.experiences, strict=True):
+        assert a.response_ids == b.response_ids
+        for f in ("logprobs", "ref_logprobs", "values"):
+            assert torch.max(torch.abs(getattr(a, f) - getattr(b, f))).item() < 1e-9
+        assert abs(a.reward - b.reward) < 1e-9
+
+
 def failures(world, cfg, fault, timeout_s, no_board_ranks=()):
     """Every rank's outcome of a rollout with ``fault`` injected: (dead rank, {rank: result})."""
     with pytest.raises(DistributedRunError) as info:

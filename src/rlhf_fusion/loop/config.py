@@ -104,6 +104,8 @@ class FusionLoopConfig:
     every iteration), a fraction of the batch in (0, 1), or a sample count >= 1.
     ``pipeline_stages``: stages of the Actor's training pipeline (default: every rank);
     ``critic_stages``: the Critic's (it then runs ``pipeline_stages / critic_stages`` copies).
+    ``balance_scoring``: a rollout that does not migrate balances its scoring between ranks
+    through the stream (:class:`~rlhf_fusion.rollout.config.RolloutConfig`).
     """
 
     inter: bool = True
@@ -115,6 +117,7 @@ class FusionLoopConfig:
     solver: str = "auto"
     solver_time_limit: float = 5.0
     timeout_s: float = 120.0
+    balance_scoring: bool = False
 
     @classmethod
     def off(cls) -> FusionLoopConfig:

@@ -27,8 +27,11 @@ REWARDS = {"functions": [
     {"function": "rlhf_fusion.loop.arithmetic:format_reward", "weight": 0.2}]}
 
 
-def grpo_demo_config(*, iterations: int = 40, serial: bool = False, world_size: int = 2
-                     ) -> RLHFConfig:
+def grpo_demo_config(*, iterations: int = 40, serial: bool = False, world_size: int = 2,
+                     balance_scoring: bool = False) -> RLHFConfig:
+    """The demo's run; ``serial``: no fusion, each rank scoring its own samples after
+    generation, or with ``balance_scoring`` the ranks' scoring balanced through the stream
+    (the baseline that differs from the fused run by the overlap alone)."""
     return RLHFConfig(
         models=ModelsConfig(actor={"family": "llama", "layers": 2, "hidden": 64},
                             tokenizer="arithmetic", reward=REWARDS, seed=0),
@@ -36,7 +39,8 @@ def grpo_demo_config(*, iterations: int = 40, serial: bool = False, world_size: 
                                     bs_max=128),
         ppo=PPOLoopConfig(num_ppo_epochs=1, num_mini_batches=2, micro_batches=2,
                           learning_rate=1e-3),
-        fusion=FusionLoopConfig.off() if serial else FusionLoopConfig(
+        fusion=FusionLoopConfig(inter=False, intra=False, balance_scoring=balance_scoring)
+        if serial else FusionLoopConfig(
             inter=True, intra=False, rt=0.25, mechanism="kv"),
         algorithm=AlgorithmConfig(name="grpo", n=8, use_kl_loss=True, kl_loss_coef=0.05,
                                   kl_loss_type="low_var_kl", kl_ctrl="adaptive",
@@ -174,19 +178,31 @@ def run_times(hist: Sequence[Mapping[str, Any]], warmup: int = 0) -> dict[str, A
     return out
 
 
-def pair_row(pair: int, first: str, fused: dict[str, Any], serial: dict[str, Any]
-             ) -> dict[str, Any]:
+def pair_row(pair: int, first: str, fused: dict[str, Any], serial: dict[str, Any],
+             balanced: dict[str, Any] | None = None) -> dict[str, Any]:
     """One pair's serial/fused ratios; ``training_ratio`` is the load control (the same work
-    in both modes: far from 1.0, the machine's load changed between the two runs)."""
+    in both modes: far from 1.0, the machine's load changed between the two runs).
+
+    With ``balanced`` (the serial run whose ranks balance their scoring through the stream)
+    the ratios are against it, the bar's baseline: a fused rollout's stream also evens out
+    ranks that score at unequal speeds, a gain beside the overlap that the static split
+    (``serial``; its ratios as ``static_*``) would credit to fusion."""
     bound = fused.get("bound")
-    rollout = serial["rollout_s"] / fused["rollout_s"]
-    return {"pair": pair, "first": first, "fused": fused, "serial": serial,
-            "rollout_ratio": rollout,
-            "training_ratio": serial["train_s"] / fused["train_s"],
-            "iteration_ratio": serial["iteration_s"] / fused["iteration_s"],
-            "bound": bound,
-            # the share of the bound's gain the measured rollout reached
-            "gain_of_bound": (rollout - 1) / (bound - 1) if bound and bound > 1 else None}
+    base = balanced if balanced is not None else serial
+    rollout = base["rollout_s"] / fused["rollout_s"]
+    row = {"pair": pair, "first": first, "fused": fused, "serial": serial,
+           "baseline": "balanced" if balanced is not None else "serial",
+           "rollout_ratio": rollout,
+           "training_ratio": base["train_s"] / fused["train_s"],
+           "iteration_ratio": base["iteration_s"] / fused["iteration_s"],
+           "bound": bound,
+           # the share of the bound's gain the measured rollout reached
+           "gain_of_bound": (rollout - 1) / (bound - 1) if bound and bound > 1 else None}
+    if balanced is not None:
+        row.update(balanced=balanced,
+                   static_rollout_ratio=serial["rollout_s"] / fused["rollout_s"],
+                   static_iteration_ratio=serial["iteration_s"] / fused["iteration_s"])
+    return row
 
 
 def bar_need(bound: float) -> float | None:
@@ -232,15 +248,15 @@ def wait_per_cpu(t: Mapping[str, Any]) -> dict[str, float]:
 
 
 def _breakdown_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
-    head = "pair  mode    first   rollout s  training s  iteration s"
+    head = "pair  mode      first     rollout s  training s  iteration s"
     acc = [k for k in ACCOUNT_KEYS if all(k in r[m]["accounts"] for r in rows
-                                          for m in ("fused", "serial"))]
+                                          for m in ("fused", "serial", "balanced") if m in r)]
     head += "".join(f"  {k.removeprefix('time/'):>12}" for k in acc)
     lines = [head]
     for r in rows:
-        for m in ("fused", "serial"):
+        for m in [m for m in ("fused", "serial", "balanced") if m in r]:
             t = r[m]
-            lines.append(f"{r['pair']:>4}  {m:<6}  {r['first']:<6}  {t['rollout_s']:9.2f}  "
+            lines.append(f"{r['pair']:>4}  {m:<8}  {r['first']:<8}  {t['rollout_s']:9.2f}  "
                          f"{t['train_s']:10.2f}  {t['iteration_s']:11.2f}"
                          + "".join(f"  {t['accounts'][k]:12.2f}" for k in acc))
     return lines
@@ -249,9 +265,10 @@ def _breakdown_lines(rows: Sequence[Mapping[str, Any]]) -> list[str]:
 def interleaved_rank(rank: int, world: int, cfgs: dict[str, RLHFConfig],
                      prompt_ids: list[list[int]], first: str) -> dict[str, list[dict[str, Any]]]:
     """One rank of an interleaved comparison: a worker per mode on this rank, built from the
-    same seed, running the same prompts iteration by iteration, the mode that goes first
-    alternating (``first`` at iteration 0). Both modes see the machine's load within a second
-    of each other, so a ratio of their times is not the load's drift between two runs."""
+    same seed, running the same prompts iteration by iteration, the order of the modes
+    rotating (``first`` first at iteration 0; two modes alternate). Every mode sees the
+    machine's load within a second of the others, so a ratio of their times is not the load's
+    drift between two runs."""
     import torch
 
     from .iteration import PPOWorker
@@ -261,12 +278,14 @@ def interleaved_rank(rank: int, world: int, cfgs: dict[str, RLHFConfig],
     for mode, cfg in cfgs.items():
         torch.manual_seed(cfg.models.seed)
         workers[mode] = PPOWorker(cfg)
-    other = "serial" if first == "fused" else "fused"
+    modes = list(cfgs)
+    start = modes.index(first)
     hist: dict[str, list[dict[str, Any]]] = {m: [] for m in cfgs}
     ppi = cfgs["fused"].generation.prompts_per_iteration
     for it in range(cfgs["fused"].iterations):
         prompts = prompts_for(prompt_ids, it, ppi)
-        for mode in ((first, other) if it % 2 == 0 else (other, first)):
+        k = (start + it) % len(modes)
+        for mode in modes[k:] + modes[:k]:
             hist[mode].append({"iteration": it, **workers[mode].iteration(prompts).metrics})
     for w in workers.values():
         w.close()
@@ -276,15 +295,17 @@ def interleaved_rank(rank: int, world: int, cfgs: dict[str, RLHFConfig],
 def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 3,
                  iterations: int = 40) -> dict[str, Any]:
     """``--algo grpo --compare``: fused and serial runs of the same workload, *interleaved*:
-    each pair is one launch of the ranks that holds a fused and a serial worker per rank and
-    runs them on the same prompts, iteration by iteration, the first mode alternating (and
-    flipping between pairs). Checks the rewards are equal in every iteration of every run.
-    Per pair it prints the serial/fused ratio of the rollout (generation + Ref and reward
-    scoring: what inter-stage fusion changes) beside R_t's simulator bound for the run's own
-    lengths and timings, of the training (the same work in both modes: the load control) and
-    of the whole iteration, then the per-stage seconds and the bar of issue 37. Writes
-    ``compare.json`` and ``compare.png``. Raises :class:`~.compare.CompareError` when rewards
-    differ.
+    each pair is one launch of the ranks that holds three workers per rank, fused, serial
+    (the static split: each rank scores its own samples) and serial with balanced scoring
+    (the ranks' scoring evened out through the stream, as the fused rollout's is), and runs
+    them on the same prompts, iteration by iteration, their order rotating (and the first
+    mode rotating between pairs). Checks the rewards are equal in every iteration of every
+    run. Per pair it prints the balanced serial/fused ratio of the rollout (generation + Ref
+    and reward scoring: what inter-stage fusion's overlap changes) beside R_t's simulator bound
+    for the run's own lengths and timings, the same ratio against the static split, the
+    training ratio (the same work in every mode: the load control) and the whole iteration's,
+    then the per-stage seconds and the bar of issue 37. Writes ``compare.json`` and
+    ``compare.png``. Raises :class:`~.compare.CompareError` when rewards differ.
 
     Interleaved, not separate runs: on a shared or oversubscribed machine the load moves by
     tens of percent between two runs, more than the few percent inter-stage fusion gains on
@@ -302,20 +323,23 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
     out.mkdir(parents=True, exist_ok=True)
     prompts = arithmetic_prompts()
     cfgs = {"fused": grpo_demo_config(iterations=iterations, serial=False),
-            "serial": grpo_demo_config(iterations=iterations, serial=True)}
+            "serial": grpo_demo_config(iterations=iterations, serial=True),
+            "balanced": grpo_demo_config(iterations=iterations, serial=True,
+                                         balance_scoring=True)}
+    modes = list(cfgs)
     tok = load_tokenizer(cfgs["fused"].models)
     prompt_ids = [tok.encode(x) for x in prompts]
     rows: list[dict[str, Any]] = []
     reference = None
     warmup = min(WARMUP_ITERATIONS, iterations - 1)
     for pair in range(pairs):
-        first = "fused" if pair % 2 == 0 else "serial"
+        first = modes[pair % len(modes)]
         load = os.getloadavg()[0]
         ranks = run_ranks(interleaved_rank, cfgs["fused"].world_size, cfgs, prompt_ids, first,
                           collective_timeout=300, timeout=3600)
         hists = next(r.value for r in ranks if r.rank == 0)
         got: dict[str, dict[str, Any]] = {}
-        for mode in (first, "serial" if first == "fused" else "fused"):
+        for mode in modes:
             hist = hists[mode]
             rewards = [h["objective/scores"] for h in hist]
             if reference is None:
@@ -325,10 +349,10 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
                          if a != b)
                 raise CompareError(f"pair {pair}, {mode}: the reward of iteration {i} "
                                    f"differs ({rewards[i]} vs {reference[i]}); fused "
-                                   "and serial must sample alike")
+                                   "and serial runs must sample alike")
             got[mode] = run_times(hist, warmup) | {"load_before": load,
                                             "load_after": os.getloadavg()[0]}
-        row = pair_row(pair, first, got["fused"], got["serial"])
+        row = pair_row(pair, first, got["fused"], got["serial"], got["balanced"])
         rows.append(row)
         b = row["bound"]
         g = row["gain_of_bound"]
@@ -337,13 +361,15 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
             else f": {g:.0%} of its gain)")) if b is not None else " (no bound reported)"
         drift = ("  <- the load moved even within the pair"
                  if abs(row["training_ratio"] - 1) > CONTROL_DRIFT else "")
-        print(f"pair {pair}: rollout serial/fused {row['rollout_ratio']:.2f}x{sim}; training "
-              f"(same work) {row['training_ratio']:.2f}x; iteration "
-              f"{row['iteration_ratio']:.2f}x; load {load:.1f} -> "
-              f"{got['fused']['load_after']:.1f}{drift}", flush=True)
+        print(f"pair {pair}: rollout serial/fused {row['rollout_ratio']:.2f}x{sim}, against "
+              f"the static split {row['static_rollout_ratio']:.2f}x; training (same work) "
+              f"{row['training_ratio']:.2f}x; iteration {row['iteration_ratio']:.2f}x; load "
+              f"{load:.1f} -> {got['fused']['load_after']:.1f}{drift}", flush=True)
     v = verdict(rows)
     summary = {"pairs": rows, "rewards_equal": True, "iterations": iterations,
-               "cpu_cores": os.cpu_count(), **v}
+               "cpu_cores": os.cpu_count(), "baseline": "balanced",
+               "median_static_rollout_ratio": statistics.median(
+                   r["static_rollout_ratio"] for r in rows), **v}
     (out / "compare.json").write_text(json.dumps(summary, indent=1) + "\n")
     grpo_compare_png(rows, out / "compare.png")
     print()
@@ -351,14 +377,18 @@ def compare_grpo(out_dir: str | Path = "rlhf-fusion-demo-grpo", *, pairs: int = 
     if warmup:
         print(f"times over iterations {warmup}-{iterations - 1}; iteration 0 (warm-up: the mode "
               "that runs first pays the processes' one-off costs) took " + ", ".join(
-                  f"pair {r['pair']}: fused {r['fused']['warmup_rollout_s']:.2f} s, serial "
-                  f"{r['serial']['warmup_rollout_s']:.2f} s" for r in rows))
+                  f"pair {r['pair']}: " + ", ".join(f"{m} {r[m]['warmup_rollout_s']:.2f} s"
+                                                     for m in modes) for r in rows))
     bound = v["median_bound"]
+    static = statistics.median(r["static_rollout_ratio"] for r in rows)
     print(f"rewards equal in every iteration of every run; median serial/fused over {pairs} "
           f"pairs: rollout {v['median_rollout_ratio']:.2f}x"
           + (f" (simulator's bound {bound:.2f}x)" if bound is not None else "")
-          + f", iteration {v['median_iteration_ratio']:.2f}x")
-    waits = {m: wait_per_cpu(rows[-1][m]) for m in ("fused", "serial")}
+          + f", iteration {v['median_iteration_ratio']:.2f}x; serial: the ranks balance "
+          f"their scoring as the fused stream does, so the ratio is the overlap's; against the "
+          f"static split (each rank its own samples, as verl and OpenRLHF score) the rollout "
+          f"ratio is {static:.2f}x")
+    waits = {m: wait_per_cpu(rows[-1][m]) for m in modes}
     if all(waits.values()):
         print("wall / CPU seconds (last pair; 1.0: never waited for a core): " + "; ".join(
             f"{m} decode {w['decode']:.1f}, scoring {w['scoring']:.1f}"

@@ -424,7 +424,7 @@ class PPOWorker:
             else:
                 rcfg = RolloutConfig(fused=fused, rt=rt if fused else None,
                                      mechanism=f.mechanism, timeout_s=f.timeout_s,
-                                     report_every=16)
+                                     report_every=16, balance_scoring=f.balance_scoring)
                 out = run_rollout(backend, self.inference, specs, rcfg,
                                   bs_max=self.cfg.generation.bs_max, group=self._group(gen))
                 moved = len(out.assignment.moved_ids) if out.assignment is not None else 0

@@ -183,28 +183,37 @@ def grpo_compare_png(rows: Sequence[dict[str, Any]], path: str | Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(2.6 + 1.6 * len(rows), 4.6))
+    modes = ("fused", "serial", "balanced") if all("balanced" in r for r in rows) else (
+        "fused", "serial")
+    names = {"fused": "fused", "serial": "static", "balanced": "balanced"} if len(modes) == 3 \
+        else {m: m for m in modes}
+    step = len(modes) + 0.5
+    fig, ax = plt.subplots(figsize=(2.6 + 0.8 * len(modes) * len(rows), 4.6))
     ticks = []
     for i, row in enumerate(rows):
-        for j, mode in enumerate(("fused", "serial")):
-            x = 2.5 * i + j
-            ticks.append((x, f"{row['pair']} {mode}"))
+        for j, mode in enumerate(modes):
+            x = step * i + j
+            ticks.append((x, f"{row['pair']} {names[mode]}"))
             t = row[mode]
             ax.bar(x, t["rollout_s"], color=COLORS["generation"], width=0.9,
                    label="generation + Ref and reward scoring" if x == 0 else None)
             ax.bar(x, t["train_s"], bottom=t["rollout_s"], color=COLORS["training"], width=0.9,
                    label="training" if x == 0 else None)
-        top = max(row[m]["rollout_s"] + row[m]["train_s"] for m in ("fused", "serial"))
+        top = max(row[m]["rollout_s"] + row[m]["train_s"] for m in modes)
         bound = f" (bound {row['bound']:.2f}x)" if row.get("bound") else ""
-        ax.text(2.5 * i + 0.5, top, f"rollout {row['rollout_ratio']:.2f}x{bound}\n"
+        static = (f"\nstatic split {row['static_rollout_ratio']:.2f}x"
+                  if "static_rollout_ratio" in row else "")
+        ax.text(step * i + (len(modes) - 1) / 2, top,
+                f"rollout {row['rollout_ratio']:.2f}x{bound}{static}\n"
                 f"training {row['training_ratio']:.2f}x", ha="center", va="bottom", fontsize=8)
     ax.set_xticks([x for x, _ in ticks], [n for _, n in ticks], rotation=30, fontsize=8)
     ax.set_ylabel("seconds, summed over iterations")
     ax.margins(y=0.25)
     ax.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.22), ncol=2,
               frameon=False)
-    ax.set_title("GRPO: serial/fused per pair (training is the same work: the load control)",
-                 fontsize=9)
+    ax.set_title("GRPO: serial/fused per pair (training is the same work: the load control)"
+                 + ("\nserial: balanced scoring (the bar's baseline) and the static split"
+                    if len(modes) == 3 else ""), fontsize=9)
     fig.tight_layout()
     path = Path(path)
     fig.savefig(path, dpi=120)

@@ -171,10 +171,10 @@ class SharedBoard:
         self._put(5 * self.world + self.rank, self.seq << _VALUE_BITS | 1)
 
     def any_hungry(self) -> bool:
-        """Whether some rank waits for the stream in this rollout (a destination holds its
-        finished samples back until one does)."""
+        """Whether another rank waits for the stream in this rollout (a destination holds its
+        finished samples back until one does; its own hunger is no reason to push them)."""
         return any(self._get(5 * self.world + i) >> _VALUE_BITS == self.seq
-                   for i in range(self.world))
+                   for i in range(self.world) if i != self.rank)
 
     def counts(self) -> list[int]:
         """Every rank's unfinished count in this rollout (its shard if it has not started)."""

@@ -22,6 +22,12 @@ class RolloutConfig:
     ``bandwidth_bytes_s`` against ``prefill_s_per_token``). Ranks publish their unfinished
     count every ``report_every`` decode steps; every wait is bounded by ``timeout_s``, and
     destinations heartbeat every ``heartbeat_s`` while they stream.
+    ``balance_scoring``: in a rollout that does not migrate, the ranks score through the
+    stream after the end-of-generation barrier (each its own micro-batches first, then a
+    slower rank's), so ranks that score at unequal speeds end together, as a fused rollout's
+    stream makes them. Off (the default), each rank scores its own shard: the static split
+    every peer's rollout has. It is the baseline that leaves inter-stage fusion's overlap as the
+    only difference from a fused rollout.
     """
 
     fused: bool = True
@@ -35,6 +41,7 @@ class RolloutConfig:
     timeout_s: float = 60.0
     heartbeat_s: float = 0.25
     kv_capacity_tokens: float | None = None
+    balance_scoring: bool = False
 
     def resolve_rt(self, batch_size: int) -> int:
         if self.rt is not None and self.rt_fraction is not None:

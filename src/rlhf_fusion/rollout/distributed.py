@@ -241,13 +241,27 @@ def run_rollout(
         note_stage("end-of-generation barrier", 1)
         if board is None:
             r.gather(None, "end-of-generation barrier")
+        elif config.balance_scoring:
+            # Not the done words: the stream that follows counts its chunks in them.
+            _board_counts_barrier(r, board, "end-of-generation barrier")
         else:
             _board_barrier(r, board, "end-of-generation barrier")
         stats["inference_start_s"] = time.perf_counter() - t0
         note_stage("scoring", 1)
-        exps = inference.score(done) if inference is not None else []
-        stats["scoring_batches"] = _micro_batches(len(done), inference)
-        results = done
+        if config.balance_scoring and inference is not None and r.world > 1:
+            # Every rank a stream producer with its generation over: each scores its own
+            # micro-batches and hands the rest to a rank that has run out, so ranks that score
+            # at unequal speeds end together, as the fused stream's do, without the overlap.
+            gen_end = stats["generation_end_s"]
+            with (r.store_errors("balancing the scoring") if board is None
+                  else contextlib.nullcontext()):
+                results, exps = _stream(r, backend, inference, range(r.world), done, t0,
+                                        stats, lambda: None, board)
+            stats["generation_end_s"] = gen_end
+        else:
+            exps = inference.score(done) if inference is not None else []
+            stats["scoring_batches"] = _micro_batches(len(done), inference)
+            results = done
     else:
         assert rt is not None and m is not None
         # On one host nothing below goes through the store: an error there is not a lost one.
@@ -285,8 +299,8 @@ def run_rollout(
         note_stage("streaming and scoring", 1)
         with (r.store_errors("streaming finished samples") if board is None
               else contextlib.nullcontext()):
-            results, exps = _stream(r, backend, inference, assignment, done, t0, stats, settle,
-                                    board, incoming)
+            results, exps = _stream(r, backend, inference, assignment.destinations, done, t0,
+                                    stats, settle, board, incoming)
     stats["local_end_s"] = time.perf_counter() - t0
     note_stage("assembling the experience batch", 1)
     gathered = (r.gather((results, exps, stats), "the experience batch") if board is None
@@ -702,6 +716,16 @@ def _board_barrier(r: _Rank, board: SharedBoard, what: str) -> None:
                CoordinatorTimeout)
 
 
+def _board_counts_barrier(r: _Rank, board: SharedBoard, what: str) -> None:
+    """:func:`_board_barrier` through the unfinished counts: each rank publishes 0 and waits
+    for every peer's 0 in this rollout. A count stays 0 until the peer's next rollout, which
+    it cannot reach before this rank's final exchange, so no reader misses it."""
+    board.publish(0)
+    for peer in range(r.world):
+        _await(r, board, peer, lambda p=peer: board.counts()[p] == 0, what,
+               CoordinatorTimeout)
+
+
 def _board_gather(r: _Rank, board: SharedBoard, obj: Any, what: str) -> list[Any]:
     """``all_gather_object`` through files beside the board: each rank writes its pickle
     whole (renamed into place) and reads every peer's. A rank removes its file of the
@@ -746,12 +770,12 @@ def _await_file(r: _Rank, board: SharedBoard, path: str, peer: int, what: str,
 
 
 def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | None,
-            plan: MigrationAssignment, done: list[SampleResult], t0: float,
+            destinations: Sequence[int], done: list[SampleResult], t0: float,
             stats: dict[str, Any], settle: Callable[[], None], board: SharedBoard | None,
             incoming: _Incoming | None = None
             ) -> tuple[list[SampleResult], list[Experience]]:
     chan: _StoreStream | _BoardStream = (_StoreStream(r) if board is None
-                                         else _BoardStream(r, board, plan.destinations))
+                                         else _BoardStream(r, board, destinations))
     micro = inference.micro_batch if inference is not None else 64
     exps: list[Experience] = []
     results: list[SampleResult] = []
@@ -790,7 +814,7 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
             del backlog[:micro]
             chan.push(pickle.dumps(chunk))
 
-    if r.rank in plan.destinations:
+    if r.rank in destinations:
         results.extend(done)
         backlog.extend(done)
         last_hb = 0.0
@@ -820,6 +844,10 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
             share(generating=False)
             if not backlog:
                 break
+            if len(backlog) <= 2 * micro:
+                # Hungry two micro-batches before its end, as a freed rank is: another
+                # destination still scoring (or generating) hands it a chunk meanwhile.
+                chan.hungry()
             score(backlog[:micro])
             del backlog[:micro]
             chan.beat()
@@ -844,7 +872,7 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
     chan.hungry()   # from here on this rank scores only what the stream brings
     # Consume the shared stream until every destination is done and the stream is empty.
     beats: dict[int, tuple[Any, float]] = {
-        d: (-1, time.perf_counter()) for d in plan.destinations if d != r.rank}
+        d: (-1, time.perf_counter()) for d in destinations if d != r.rank}
     # An idle consumer backs off (doubling up to a cap) and checks heartbeats every
     # HEARTBEAT_CHECK_S: through the store every poll is requests that rank 0's process
     # serves, on the cores the decoding ranks need.
@@ -859,7 +887,7 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
             idle = chan.idle_min
             score(())
             continue
-        if chan.over(plan.destinations):
+        if chan.over(destinations):
             break
         now = time.perf_counter()
         if now >= next_beat_check:

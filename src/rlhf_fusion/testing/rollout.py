@@ -66,6 +66,8 @@ class TinyJob:
     no_board_ranks: tuple[int, ...] = ()
     # Tickets above this many bytes go over gloo even on one host (as when /dev/shm is small).
     shm_ticket_max_bytes: int | None = None
+    # Seconds each scoring micro-batch takes longer on these ranks (a slower core).
+    slow_scoring: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.fault is not None and self.fault not in FAULTS:
@@ -112,6 +114,8 @@ def tiny_job_worker(rank: int, world: int, job: TinyJob) -> list[dict[str, Any]]
         wres = list(backend.results())
         if inference is not None:
             inference.score(wres)
+    if inference is not None and job.slow_scoring.get(rank):
+        inference.score = _slowed(inference.score, job.slow_scoring[rank], job.micro_batch)
     fault: Callable[[str, int], None] | None = FAULTS[job.fault] if job.fault else None
     out = []
     for cfg in job.configs:
@@ -122,3 +126,12 @@ def tiny_job_worker(rank: int, world: int, job: TinyJob) -> list[dict[str, Any]]
         out.append({"wall_s": wall, "stats": res.stats,
                     "output": res if (rank == 0 and job.return_outputs) else None})
     return out
+
+
+def _slowed(score: Callable[[Any], Any], seconds: float, micro: int) -> Callable[[Any], Any]:
+    """``score`` that takes ``seconds`` longer per micro-batch of ``micro`` samples."""
+    def run(samples: Any) -> Any:
+        time.sleep(seconds * -(-len(samples) // micro))
+        return score(samples)
+
+    return run
