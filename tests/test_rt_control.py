@@ -9,7 +9,7 @@ import torch
 
 from rlhf_fusion.rollout import SampleSpec
 from rlhf_fusion.rollout.reference import ReferenceBackend
-from rlhf_fusion.rollout.rt_control import REPLAN_MAX, RtPlanner, TimedBackend
+from rlhf_fusion.rollout.rt_control import REPLAN_MAX, SCORING_WINDOW, RtPlanner, TimedBackend
 from rlhf_fusion.testing import build_causal_lm, tiny_config
 
 
@@ -50,6 +50,24 @@ def test_the_decode_fit_leaves_the_prefill_out():
     old.observe([4] * 64, SimpleNamespace(steps=steps), [(100, 0.01)], prompt_len=6)
     c_old = old.cluster()
     assert c_old.step_base_s + 40 * c_old.step_per_sample_s > 4 * 0.002
+
+
+def test_scoring_is_priced_from_the_last_batches_calls():
+    """A scoring call costs mostly per call: as completions shorten, its cost per token rises
+    (here 10 us with long completions, then 25 us). The fit follows the last SCORING_WINDOW
+    batches, where the whole history's average would stay below every recent batch's cost."""
+    backend = SimpleNamespace(steps=[(8, 0.002), (4, 0.002)])
+    p = RtPlanner(64, 2, bs_max=64)
+    for _ in range(10):
+        p.observe([40] * 64, backend, [(1000, 0.010)] * 8, prompt_len=6)
+    for k in range(SCORING_WINDOW):
+        p.observe([4] * 64, backend, [(400, 0.010), (400, 0.010)], prompt_len=6)
+        # (every call of a batch counts once, partial windows included)
+        long_, short = SCORING_WINDOW - 1 - k, k + 1
+        recent = (8 * long_ + 2 * short) * 0.010 / (8000 * long_ + 800 * short)
+        assert p.cluster().infer_per_token_s == pytest.approx(recent)
+    assert p.cluster().infer_per_token_s == pytest.approx(25e-6)
+    assert len(p.scoring) == SCORING_WINDOW
 
 
 def test_a_choice_that_holds_is_swept_ever_more_rarely_and_a_change_sweeps_again():

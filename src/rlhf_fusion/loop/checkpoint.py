@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..rollout.planning.lengths import LengthDistribution
+from ..rollout.rt_control import SCORING_WINDOW
 from .errors import LoopConfigError
 
 
@@ -86,7 +87,8 @@ def load_worker_state(worker: Any, ck: dict[str, Any], where: str = "checkpoint"
     planner.dist = None if st["dist"] is None else LengthDistribution(*st["dist"])
     planner.by_batch.clear()
     planner.by_batch.update(st["by_batch"])
-    planner.scoring = list(st["scoring"])
+    # (older checkpoints kept every scoring call: their last entries stand in for batches)
+    planner.scoring = [tuple(x) for x in st["scoring"]][-SCORING_WINDOW:]
     planner.current = st["current"]
     planner.history = list(st["history"])
     planner.prompt_len = st["prompt_len"]

@@ -3,8 +3,9 @@
 Used by the PPO loop and the TRL trainers. The simulator
 (:mod:`rlhf_fusion.rollout.planning.simulate`, torch-free) needs two things a job learns as it
 runs: the response-length distribution (refined with every batch's lengths) and the
-instance costs (fitted to every decode step and scoring call timed so far). Both accumulate
-over iterations, so one noisy step moves them little; the fit uses per-batch-size medians, and
+instance costs (fitted to every decode step timed so far, and to the scoring of the last
+``SCORING_WINDOW`` batches). They accumulate over iterations, so one noisy step moves them
+little; the decode fit uses per-batch-size medians, and
 the choice keeps the previous R_t while it is within ``STICKY`` of the best, so the chosen
 R_t settles instead of wandering with timing noise. Rank 0 decides and broadcasts: every rank
 must trigger on the same R_t.
@@ -28,6 +29,11 @@ from .planning.simulate import ClusterModel, plan_migration
 # SweepResult.choose), and keep the current R_t while it is within STICKY of the best.
 TOLERANCE = 0.05
 STICKY = 0.05
+# Scoring is priced per token from the last few batches' scoring calls, not from every call
+# since the start: a forward's cost is mostly per call, so its cost per token rises as a run's
+# completions shorten, and the whole history's average priced the GRPO demo's later batches 23%
+# below their measured scoring (a recent window: within 4%; session 47, the analysis).
+SCORING_WINDOW = 4
 # R_t before any length has been seen: a quarter of the batch (RLHFuse's sweeps put the best
 # R_t at 20-40 % of the batch for long-tailed lengths).
 FIRST_FRACTION = 0.25
@@ -126,6 +132,7 @@ class RtPlanner:
         self.by_batch: dict[int, list[float]] = defaultdict(list)
         # (samples admitted, seconds) of the steps that prefilled them (TimedBackend.prefills)
         self.prefills: list[tuple[int, float]] = []
+        # (tokens scored, seconds) per observed batch, the last SCORING_WINDOW of them
         self.scoring: list[tuple[int, float]] = []
         self.prompt_len = 0
         self.current: int | None = None
@@ -145,7 +152,9 @@ class RtPlanner:
             if i not in skip:
                 self.by_batch[b].append(s)
         self.prefills.extend(getattr(backend, "prefills", ()))
-        self.scoring.extend(scoring)
+        if scoring:
+            self.scoring.append((sum(t for t, _ in scoring), sum(s for _, s in scoring)))
+            del self.scoring[:-SCORING_WINDOW]
         self.prompt_len = int(prompt_len)
 
     def cluster(self) -> ClusterModel:
