@@ -281,6 +281,7 @@ def demo_grpo() -> str:
     dev = d["device"]
     loads = [x for r in d["pairs"] for x in (r["fused"]["load_before"], r["fused"]["load_after"])]
     per = ", ".join(f"{r['rollout_ratio']:.2f}x" for r in d["pairs"])
+    static = ", ".join(f"{r['static_rollout_ratio']:.2f}x" for r in d["pairs"])
     bounds = ", ".join(f"{r['bound']:.2f}x" for r in d["pairs"] if r["bound"] is not None)
     return (
         f"`rlhf-fusion demo --algo grpo --compare` ({len(d['pairs'])} runs of {d['iterations']} "
@@ -288,10 +289,13 @@ def demo_grpo() -> str:
         f"{dev['cpu_cores']} cores, 1-minute load {min(loads):.1f}-{max(loads):.1f}): rollout "
         f"(generation + Ref and reward scoring) serial/fused **{d['median_rollout_ratio']:.2f}x** "
         f"(median; every run: {per}) against the simulator's bound for the runs' own lengths "
-        f"and timings ({bounds}); whole iteration "
+        f"and timings ({bounds}), the serial run balancing its ranks' scoring as the fused "
+        f"stream does, so that the ratio is the overlap's (against the static split, each rank "
+        f"scoring its own samples as verl and OpenRLHF do: "
+        f"{d['median_static_rollout_ratio']:.2f}x; every run: {static}); whole iteration "
         f"{min(r['iteration_ratio'] for r in d['pairs']):.2f}-"
         f"{max(r['iteration_ratio'] for r in d['pairs']):.2f}x (training, the same work in "
-        f"both modes: {min(r['training_ratio'] for r in d['pairs']):.2f}-"
+        f"every mode: {min(r['training_ratio'] for r in d['pairs']):.2f}-"
         f"{max(r['training_ratio'] for r in d['pairs']):.2f}x); rewards equal in every "
         f"iteration; the times leave out iteration 0 (warm-up). The demo's verdict on issue "
         f"37's bar for these runs ({d['bar']}, no run below 1.0x in rollout or iteration): "
