@@ -97,6 +97,7 @@ BAD = [
     ("fusion.solver", "magic", "use one of auto, cpsat"),
     ("fusion.solver_time_limit", 0, "must be a number > 0"),
     ("fusion.timeout_s", -5, "must be a number > 0"),
+    ("fusion.balance_scoring", "yes", "must be true or false"),
     ("placement.preset", "spread", "unknown placement preset"),
     ("placement.plan", MISSING, "no file"),
     ("placement.inference_fraction", 1.5, "must be a number in (0, 1)"),

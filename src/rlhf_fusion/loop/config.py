@@ -375,6 +375,7 @@ class RLHFConfig:
         _choice("fusion.solver", f.solver, SOLVERS)
         _number("fusion.solver_time_limit", f.solver_time_limit, above=0.0)
         _number("fusion.timeout_s", f.timeout_s, above=0.0)
+        _boolean("fusion.balance_scoring", f.balance_scoring)
         for name in ("preset", "plan"):
             v = getattr(pl, name)
             if v is not None and not (isinstance(v, str) and v):
