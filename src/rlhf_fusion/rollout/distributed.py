@@ -252,12 +252,10 @@ def run_rollout(
             # Every rank a stream producer with its generation over: each scores its own
             # micro-batches and hands the rest to a rank that has run out, so ranks that score
             # at unequal speeds end together, as the fused stream's do, without the overlap.
-            gen_end = stats["generation_end_s"]
             with (r.store_errors("balancing the scoring") if board is None
                   else contextlib.nullcontext()):
                 results, exps = _stream(r, backend, inference, range(r.world), done, t0,
                                         stats, lambda: None, board)
-            stats["generation_end_s"] = gen_end
         else:
             exps = inference.score(done) if inference is not None else []
             stats["scoring_batches"] = _micro_batches(len(done), inference)
@@ -836,7 +834,8 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
             if now - last_hb >= r.cfg.heartbeat_s:
                 chan.beat()
                 last_hb = now
-        stats["generation_end_s"] = time.perf_counter() - t0
+        # (a serial rollout balancing its scoring ended generation before its barrier)
+        stats.setdefault("generation_end_s", time.perf_counter() - t0)
         # Its generation over, a destination scores its backlog itself, a micro-batch at a
         # time, handing one to a consumer whenever one wants it (share); then, done, it takes
         # from the stream like every rank.
