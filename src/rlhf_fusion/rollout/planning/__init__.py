@@ -3,6 +3,7 @@ migration decision rules, and the generation + inference simulator that picks R_
 
 from .lengths import LengthDistribution, lognormal_quantile_lengths
 from .planner import (
+    PACE_TOLERANCE,
     MigrationAssignment,
     MovingSample,
     assign_migration,
@@ -32,6 +33,7 @@ __all__ = [
     "MigrationAssignment",
     "MigrationPlan",
     "MovingSample",
+    "PACE_TOLERANCE",
     "SweepPoint",
     "SweepResult",
     "assign_migration",
