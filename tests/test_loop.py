@@ -121,11 +121,6 @@ def test_tokens_mechanism_and_fixed_rt_equal_serial(serial2):
     assert moved == [float(len(tl["ranks"][0]["moved"])) for tl in fixed["timelines"]]
     assert sum(moved) > 0, moved
     assert [h["fusion/migrated"] for h in serial2["history"]] == [0.0] * ITERATIONS
-    # The loop hands the rollout R_t's planner's decode cost model: every rank that decoded
-    # before the trigger reports its pace, and every rank planned with the same paces.
-    for tl in fixed["timelines"]:
-        paces = [r["paces"] for r in tl["ranks"]]
-        assert all(p == paces[0] for p in paces) and any(v for v in paces[0]), paces
 
 
 def test_four_ranks_and_two_critic_copies_equal_one_device(one_device):

@@ -118,35 +118,6 @@ def test_balanced_scoring_hands_a_slow_rank_s_micro_batches_to_the_other(board):
         assert abs(a.reward - b.reward) < 1e-9
 
 
-@pytest.mark.parametrize("board", ["shared", "store"])
-def test_the_tail_migrates_to_the_faster_rank_when_the_ranks_report_their_pace(board):
-    """Rank 0 decodes 12 ms slower a step, so it falls behind and has the most samples left
-    at the trigger: by samples left it is the destination, and the tail decodes at its pace.
-    With a decode cost model (``decode_step_s``) each rank reports its pace in its progress
-    report, and the tail goes to rank 1; every rollout equals the serial one."""
-    configs = [RolloutConfig(fused=False), RolloutConfig(rt=6, mechanism="kv"),
-               RolloutConfig(rt=6, mechanism="kv", decode_step_s=(2e-3, 5e-5))]
-    out = [r.value for r in run_ranks(
-        tiny_job_worker, 2, job(configs, slow_decode={0: 0.012},
-                                no_board_ranks=(1,) if board == "store" else ()),
-        collective_timeout=60)]
-    serial, by_left, by_pace = (out[0][k]["output"] for k in range(3))
-    left, paced = by_left.stats["ranks"], by_pace.stats["ranks"]
-    assert {st["board"] for st in left + paced} == {board}
-    assert [st["destinations"] for st in left] == [[0], [0]], left
-    assert [st["paces"] for st in left] == [[None, None]] * 2
-    assert [st["destinations"] for st in paced] == [[1], [1]], paced
-    p0, p1 = paced[0]["paces"]
-    assert paced[1]["paces"] == [p0, p1] and p0 > 2 * p1, (p0, p1)
-    assert set(paced[0]["moved"]) <= {s.sample_id for s in SPECS if s.sample_id % 2 == 0}
-    for fused in (by_left, by_pace):
-        assert [e.sample_id for e in fused.experiences] == list(range(16))
-        for a, b in zip(serial.experiences, fused.experiences, strict=True):
-            assert a.response_ids == b.response_ids
-            assert torch.max(torch.abs(a.ref_logprobs - b.ref_logprobs)).item() < 1e-9
-            assert abs(a.reward - b.reward) < 1e-9
-
-
 def failures(world, cfg, fault, timeout_s, no_board_ranks=()):
     """Every rank's outcome of a rollout with ``fault`` injected: (dead rank, {rank: result})."""
     with pytest.raises(DistributedRunError) as info:

@@ -14,7 +14,6 @@ from hypothesis import strategies as st
 
 from rlhf_fusion.rollout.cli import plan_migration_main
 from rlhf_fusion.rollout.planning import (
-    PACE_TOLERANCE,
     ClusterModel,
     LengthDistribution,
     MovingSample,
@@ -67,34 +66,16 @@ def test_destinations_are_the_m_with_most_left():
     assert choose_destinations({0: 1, 1: 0}, 3) == [0]
 
 
-def test_destinations_are_the_faster_ranks_when_the_paces_are_known():
-    left = {0: 14, 1: 6}
-    assert choose_destinations(left, 1, {0: 1.6, 1: 1.0}) == [1]
-    # Within the tolerance the paces are equal: the most samples left, the fewest moved.
-    assert choose_destinations(left, 1, {0: 1.0 + PACE_TOLERANCE / 2, 1: 1.0}) == [0]
-    # A pace missing for a rank with samples left: by samples left only.
-    assert choose_destinations(left, 1, {1: 1.0}) == [0]
-    # A rank with none left is never a destination, however fast.
-    assert choose_destinations({0: 5, 1: 0, 2: 3}, 1, {0: 3.0, 1: 1.0, 2: 2.0}) == [2]
-    # Two destinations: the fast ones by samples left, then the slower by pace.
-    four = {0: 9, 1: 2, 2: 4, 3: 7}
-    assert choose_destinations(four, 2, {0: 2.0, 1: 1.0, 2: 1.05, 3: 1.5}) == [1, 2]
-    assert choose_destinations(four, 3, {0: 2.0, 1: 1.0, 2: 1.6, 3: 1.5}) == [1, 2, 3]
-
-
 @settings(max_examples=60, deadline=None)
 @given(st.dictionaries(st.integers(0, 7), st.lists(st.integers(1, 50), max_size=8),
                        min_size=2, max_size=8),
-       st.integers(1, 4), st.sampled_from([None, 200, 10_000]),
-       st.none() | st.lists(st.floats(0.5, 3.0), min_size=8, max_size=8))
-def test_assignment_moves_every_sample_exactly_once(per_instance, m, capacity, paces):
+       st.integers(1, 4), st.sampled_from([None, 200, 10_000]))
+def test_assignment_moves_every_sample_exactly_once(per_instance, m, capacity):
     sid = iter(range(1000))
     unfinished = {i: [MovingSample(next(sid), n, n + 10) for n in lens]
                   for i, lens in per_instance.items()}
-    pace = None if paces is None else dict(enumerate(paces))
     try:
-        plan = assign_migration(unfinished, m, bs_max=4, kv_capacity_tokens=capacity,
-                                pace=pace)
+        plan = assign_migration(unfinished, m, bs_max=4, kv_capacity_tokens=capacity)
     except KVCapacityError:
         assert capacity is not None
         return

@@ -175,9 +175,6 @@ class PPOWorker:
         self._setup_offload()
         self._setup_training()
         self.rt_planner = self._rt_planner()
-        # The decode cost model whose shape the ranks' paces are measured with (run_rollout's
-        # destinations), refitted after each iteration rather than on the rollout's clock.
-        self._decode_step_s: tuple[float, float] | None = None
         self.iteration_index = 0
 
     def _placement(self, given: LoopPlacement | None) -> LoopPlacement:
@@ -425,12 +422,9 @@ class PPOWorker:
                 res = LocalFusedRollout([backend], self.inference).run(specs)
                 out_box[0] = (res.results, res.experiences, {"ranks": []})
             else:
-                if fused and self._decode_step_s is None:
-                    self._decode_step_s = self._decode_cost()
                 rcfg = RolloutConfig(fused=fused, rt=rt if fused else None,
                                      mechanism=f.mechanism, timeout_s=f.timeout_s,
-                                     report_every=16, balance_scoring=f.balance_scoring,
-                                     decode_step_s=self._decode_step_s if fused else None)
+                                     report_every=16, balance_scoring=f.balance_scoring)
                 out = run_rollout(backend, self.inference, specs, rcfg,
                                   bs_max=self.cfg.generation.bs_max, group=self._group(gen))
                 moved = len(out.assignment.moved_ids) if out.assignment is not None else 0
@@ -651,8 +645,6 @@ class PPOWorker:
         lengths = [len(e.response_ids) for e in exps]
         self.rt_planner.observe(lengths, self.backend, self._scoring,
                                 prompt_len=sum(len(p) for p in prompts) / max(len(prompts), 1))
-        if self._decode_step_s is not None:
-            self._decode_step_s = self._decode_cost()
         bound = self.simulated_speedup(lengths, stats.get("rt"))
         if bound is not None:
             metrics["fusion/simulated_speedup"] = bound
@@ -687,10 +679,6 @@ class PPOWorker:
                     "train_events": [(name, a - t0, b - t0) for name, a, b in self._train_events
                                      if _is_compute(name)]}
         return IterationResult(metrics, exps, timeline)
-
-    def _decode_cost(self) -> tuple[float, float]:
-        c = self.rt_planner.cluster()
-        return (c.step_base_s, c.step_per_sample_s)
 
     def simulated_speedup(self, lengths: Sequence[int], rt: int | None) -> float | None:
         """R_t's simulator's serial/fused time of this batch's generation + scoring on the

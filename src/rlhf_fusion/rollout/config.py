@@ -28,11 +28,6 @@ class RolloutConfig:
     stream makes them. Off (the default), each rank scores its own shard: the static split
     every peer's rollout has. It is the baseline that leaves inter-stage fusion's overlap as the
     only difference from a fused rollout.
-    ``decode_step_s``: ``(seconds per decode step, seconds per running sample)``, the decode cost
-    model (R_t's planner's fit) whose shape each rank corrects its recent steps' times with for
-    their batch sizes; each reports that pace at the trigger, and the destinations are the
-    faster ranks (:func:`~rlhf_fusion.rollout.planning.choose_destinations`). None: the ranks
-    with most samples left, whatever their speed.
     """
 
     fused: bool = True
@@ -47,7 +42,6 @@ class RolloutConfig:
     heartbeat_s: float = 0.25
     kv_capacity_tokens: float | None = None
     balance_scoring: bool = False
-    decode_step_s: tuple[float, float] | None = None
 
     def resolve_rt(self, batch_size: int) -> int:
         if self.rt is not None and self.rt_fraction is not None:
@@ -76,13 +70,6 @@ class RolloutConfig:
             raise RolloutConfigError("report_every must be >= 1")
         if self.timeout_s <= 0 or self.heartbeat_s <= 0 or self.heartbeat_s >= self.timeout_s:
             raise RolloutConfigError("need 0 < heartbeat_s < timeout_s")
-        if self.decode_step_s is not None and not (
-                len(self.decode_step_s) == 2 and self.decode_step_s[0] > 0
-                and self.decode_step_s[1] >= 0):
-            raise RolloutConfigError(
-                f"decode_step_s={self.decode_step_s!r}: give (seconds per decode step > 0, "
-                "seconds per running sample >= 0), e.g. RtPlanner.cluster()'s step_base_s and "
-                "step_per_sample_s, or None")
         if self.mechanism not in ("kv", "tokens", "auto"):
             raise RolloutConfigError(f"mechanism={self.mechanism!r}; use 'kv', 'tokens' or 'auto'")
 

@@ -8,8 +8,7 @@ Critic models. Timeline of ``run_rollout`` on every rank, fused mode:
    one's step rate). The first rank that sees at most R_t unfinished samples in total sets
    the trigger; every rank checks it.
 2. **Plan.** Every rank's progress reaches every rank; each computes the same
-   ``assign_migration`` plan: the m ranks with most samples left are the destinations (with
-   ``RolloutConfig.decode_step_s``, the faster ones by the decode pace each reports), the
+   ``assign_migration`` plan: the m ranks with most samples left are the destinations, the
    rest are freed.
 3. **Migrate.** Sources export their unfinished samples ("kv" or "tokens") and send the
    tickets; destinations import them and acknowledge. A source waits for the acknowledgement
@@ -51,7 +50,6 @@ import contextlib
 import os
 import pickle
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -265,34 +263,26 @@ def run_rollout(
     else:
         assert rt is not None and m is not None
         # On one host nothing below goes through the store: an error there is not a lost one.
-        pace = _Pace(config.decode_step_s)
         with (r.store_errors("generating until the trigger") if board is None
               else contextlib.nullcontext()):
-            _generate_until_trigger(r, backend, rt, done, board, pace)
+            _generate_until_trigger(r, backend, rt, done, board)
         stats["trigger_s"] = time.perf_counter() - t0
         note_stage("migration", 1)
-        rows = [pace.row()] + [(p.sample_id, p.prompt_len, p.generated, p.max_new_tokens)
-                               for p in backend.progress()]
+        rows = [(p.sample_id, p.prompt_len, p.generated, p.max_new_tokens)
+                for p in backend.progress()]
         if board is not None:
             reports = _exchange_reports(r, board, rows, backend, done)
         else:
             # At the trigger a rank holds at most its own shard (nothing has migrated yet).
-            reports = r.gather_rows(rows, 4, max(shards) + 1, "progress reports at the trigger")
+            reports = r.gather_rows(rows, 4, max(shards), "progress reports at the trigger")
         stats["reports_s"] = time.perf_counter() - t0
-        paces = {i: _Pace.of(rep[0]) for i, rep in enumerate(reports)}
-        progress = {i: moving(SampleProgress(*x) for x in rep[1:])
-                    for i, rep in enumerate(reports)}
-        # A rank with no pace (no decode step since the prefill) counts only if it still has
-        # samples: then choose_destinations goes by samples left alone.
-        assignment = assign_migration(
-            progress, m, bs_max=bs_max, kv_capacity_tokens=config.kv_capacity_tokens,
-            pace={i: v for i, v in paces.items() if v is not None}
-            if config.decode_step_s is not None else None)
+        progress = {i: moving(SampleProgress(*x) for x in rep) for i, rep in enumerate(reports)}
+        assignment = assign_migration(progress, m, bs_max=bs_max,
+                                      kv_capacity_tokens=config.kv_capacity_tokens)
         if config.mechanism == "auto":
             mechanism = _auto_mechanism(assignment, progress, backend, config, kv_ok)
         stats.update(destinations=assignment.destinations, moved=assignment.moved_ids,
-                     mechanism=mechanism, plan_s=time.perf_counter() - t0,
-                     paces=[paces[i] for i in range(r.world)])
+                     mechanism=mechanism, plan_s=time.perf_counter() - t0)
         incoming: _Incoming | None = None
         if board is None:
             settle = _migrate(r, backend, assignment, mechanism)
@@ -383,48 +373,8 @@ def _shared_board(r: _Rank) -> SharedBoard | None:
     return board
 
 
-PACE_STEPS = 8
-_PACE_ROW = -2   # a progress report's first row: (_PACE_ROW, pace in millionths or -1, 0, 0)
-
-
-class _Pace:
-    """This rank's pace: its last ``PACE_STEPS`` decode steps' seconds over
-    ``1 + running * per_sample / base`` of ``RolloutConfig.decode_step_s``, i.e. what a step
-    with no sample running would have taken. Only the model's shape is used: each rank fits
-    its own (R_t's planner observes its own steps), and its scale, the rank's usual speed,
-    would cancel the very difference the pace shows. Reported at the trigger, so that every
-    rank picks the same destinations, the faster ones
-    (:func:`~.planning.planner.choose_destinations`)."""
-
-    def __init__(self, cost: tuple[float, float] | None) -> None:
-        self.per_sample = None if cost is None else cost[1] / cost[0]
-        self.steps: deque[tuple[float, float]] = deque(maxlen=PACE_STEPS)
-        self.first = True
-
-    def step(self, backend: GenerationBackend, running: int, done: list[SampleResult]) -> None:
-        t = time.perf_counter()
-        done.extend(backend.step())
-        took = time.perf_counter() - t
-        if self.first:   # the prefill of the whole shard: not a decode step
-            self.first = False
-        elif self.per_sample is not None:
-            self.steps.append((took, 1.0 + self.per_sample * running))
-
-    def row(self) -> tuple[int, int, int, int]:
-        taken, predicted = sum(t for t, _ in self.steps), sum(p for _, p in self.steps)
-        value = round(1e6 * taken / predicted) if self.steps and predicted > 0 else -1
-        return (_PACE_ROW, value, 0, 0)
-
-    @staticmethod
-    def of(row: Sequence[int]) -> float | None:
-        if row[0] != _PACE_ROW:
-            raise RolloutError(f"a progress report starts with {tuple(row)}, not its pace row")
-        return row[1] / 1e6 if row[1] > 0 else None
-
-
 def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
-                            done: list[SampleResult], board: SharedBoard | None,
-                            pace: _Pace) -> None:
+                            done: list[SampleResult], board: SharedBoard | None) -> None:
     """Decode until at most ``rt`` samples are left over all ranks. Every rank heartbeats
     while it waits here, and a peer whose heartbeat stops for ``timeout_s`` ends the wait with
     an error naming it: the trigger is set by whichever rank sees the total first, so without
@@ -432,7 +382,7 @@ def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
     group's shared ``board`` (:mod:`.board`: no collective at the start), else the store."""
     if board is not None:
         note_stage("generation until the migration trigger", 1)
-        _until_trigger_shared(r, backend, rt, done, board, pace)
+        _until_trigger_shared(r, backend, rt, done, board)
         return
     store = r.store
     published = len(backend.unfinished())
@@ -440,11 +390,11 @@ def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
     store.set(r.key(f"alive/{r.rank}"), "0")
     r.gather(None, "start of generation")  # every count key exists before anyone reads them
     note_stage("generation until the migration trigger", 1)
-    _until_trigger_store(r, backend, rt, done, published, pace)
+    _until_trigger_store(r, backend, rt, done, published)
 
 
 def _until_trigger_shared(r: _Rank, backend: GenerationBackend, rt: int,
-                          done: list[SampleResult], board: SharedBoard, pace: _Pace) -> None:
+                          done: list[SampleResult], board: SharedBoard) -> None:
     """The one-host board: publish and check after every decode step (memory accesses)."""
     start, hb = time.perf_counter(), board.heartbeats()
     beats = {i: (hb[i], start) for i in range(r.world) if i != r.rank}
@@ -453,7 +403,7 @@ def _until_trigger_shared(r: _Rank, backend: GenerationBackend, rt: int,
     while True:
         left = len(backend.unfinished())
         if left:
-            pace.step(backend, left, done)
+            done.extend(backend.step())
             left = len(backend.unfinished())
         else:
             # Nothing to decode: the peers need the core more than a tight poll does.
@@ -472,7 +422,7 @@ def _until_trigger_shared(r: _Rank, backend: GenerationBackend, rt: int,
 
 
 def _until_trigger_store(r: _Rank, backend: GenerationBackend, rt: int,
-                         done: list[SampleResult], published: int, pace: _Pace) -> None:
+                         done: list[SampleResult], published: int) -> None:
     """Ranks on several hosts: counts and heartbeats in the c10d store, read every
     ``report_every`` steps (each read is a round trip to rank 0's process)."""
     store = r.store
@@ -487,7 +437,7 @@ def _until_trigger_store(r: _Rank, backend: GenerationBackend, rt: int,
     while True:
         left = len(backend.unfinished())
         if left:
-            pace.step(backend, left, done)
+            done.extend(backend.step())
             steps += 1
             left = len(backend.unfinished())
             if steps % r.cfg.report_every and left:

@@ -3,7 +3,6 @@ migration decision rules, and the generation + inference simulator that picks R_
 
 from .lengths import LengthDistribution, lognormal_quantile_lengths
 from .planner import (
-    PACE_TOLERANCE,
     MigrationAssignment,
     MovingSample,
     assign_migration,
@@ -33,7 +32,6 @@ __all__ = [
     "MigrationAssignment",
     "MigrationPlan",
     "MovingSample",
-    "PACE_TOLERANCE",
     "SweepPoint",
     "SweepResult",
     "assign_migration",

@@ -79,33 +79,11 @@ def validate_fusion(
     return m
 
 
-# A rank counts as fast as the fastest when its decode pace is within this much of it: a
-# step-time difference below it saves less tail decoding than moving the larger share of the
-# tail to the faster rank costs (the demo's CPU: a tail of 10-30 steps against 1-2 ms more
-# import), and the paces themselves are noisy by about that much.
-PACE_TOLERANCE = 0.15
-
-
-def choose_destinations(remaining: Mapping[int, int], m: int,
-                        pace: Mapping[int, float] | None = None) -> list[int]:
-    """The m instances with most samples left (ties: lower index), among those with any left.
-
-    ``pace``: per instance, its recent decode steps' seconds over what the cost model predicts
-    for their batch sizes (1.0: as predicted; higher: slower), as reported at the trigger.
-    Given for every instance with samples left, the destinations are the ones decoding within
-    ``PACE_TOLERANCE`` of the fastest, by samples left, then the slower ones by pace: on
-    ranks of unequal speed (shared cores, a noisy neighbour) the one that fell behind is
-    usually the slower, and the tail would decode there at its pace.
-    """
-    live = [inst for inst, n in remaining.items() if n > 0]
-    by_left = sorted(live, key=lambda inst: (-remaining[inst], inst))
-    if pace is None or not live or any(pace.get(i) is None or pace[i] <= 0 for i in live):
-        return sorted(by_left[:m])
-    best = min(pace[i] for i in live)
-    fast = [i for i in by_left if pace[i] <= best * (1 + PACE_TOLERANCE)]
-    slow = sorted((i for i in live if i not in fast),
-                  key=lambda inst: (pace[inst], -remaining[inst], inst))
-    return sorted((fast + slow)[:m])
+def choose_destinations(remaining: Mapping[int, int], m: int) -> list[int]:
+    """The m instances with most samples left (ties: lower index), among those with any left."""
+    ranked = sorted((inst for inst, n in remaining.items() if n > 0),
+                    key=lambda inst: (-remaining[inst], inst))
+    return sorted(ranked[:m])
 
 
 @dataclass(frozen=True)
@@ -137,17 +115,15 @@ def assign_migration(
     *,
     bs_max: int | None = None,
     kv_capacity_tokens: float | None = None,
-    pace: Mapping[int, float] | None = None,
 ) -> MigrationAssignment:
-    """Send every unfinished sample of non-destination instances to one of the m destinations
-    (:func:`choose_destinations`, with the instances' decode ``pace`` where reported).
+    """Send every unfinished sample of non-destination instances to one of the m destinations.
 
     Longest-context first, each to the destination with the fewest samples (then least reserved
     KV), never past its KV capacity. ``bs_max`` only balances: a destination may queue more than
     BS_max samples, which is slower but loses nothing.
     """
     remaining = {inst: len(s) for inst, s in unfinished.items()}
-    dests = choose_destinations(remaining, m, pace)
+    dests = choose_destinations(remaining, m)
     freed = sorted(inst for inst in unfinished if inst not in dests)
     count = {d: remaining[d] for d in dests}
     kv = {d: sum(s.reserved_tokens for s in unfinished[d]) for d in dests}
