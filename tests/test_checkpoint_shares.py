@@ -64,8 +64,7 @@ class _Worker:
             [torch.nn.Parameter(torch.full((n,), fill + i)) for i in range(PIECES)])
         self.optimizers: dict = {}
         self.rank, self.world, self.iteration_index = rank, world, 3
-        self.rt_planner = SimpleNamespace(dist=None, by_batch={}, decode_kv=[], scoring=[],
-                                          current=None,
+        self.rt_planner = SimpleNamespace(dist=None, by_batch={}, scoring=[], current=None,
                                           history=[], prompt_len=None, prefills=[], sweeps=0,
                                           _interval=1, _skip=0)
 

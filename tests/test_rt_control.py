@@ -9,14 +9,7 @@ import torch
 
 from rlhf_fusion.rollout import SampleSpec
 from rlhf_fusion.rollout.reference import ReferenceBackend
-from rlhf_fusion.rollout.rt_control import (
-    KV_MIN_STEPS,
-    REPLAN_MAX,
-    SCORING_WINDOW,
-    RtPlanner,
-    TimedBackend,
-    fit_decode_steps,
-)
+from rlhf_fusion.rollout.rt_control import REPLAN_MAX, SCORING_WINDOW, RtPlanner, TimedBackend
 from rlhf_fusion.testing import build_causal_lm, tiny_config
 
 
@@ -38,49 +31,8 @@ def test_a_rollouts_first_step_is_timed_as_a_prefill(model):
     assert timed.prefill_steps == {0}
     assert [n for n, _ in timed.prefills] == [4]
     assert len(timed.steps) >= 5
-    # Each step records the KV its running samples held as it started: none at the first,
-    # then prompt + generated - 1 per running sample.
-    assert len(timed.kv) == len(timed.steps) and timed.kv[0] == 0
-    # (the first step prefills and decodes: 4 samples, 3 prompt tokens, 2 generated)
-    assert timed.kv[1] == 4 * (3 + 2 - 1)
     timed.reset_timing()
-    assert timed.prefills == [] and timed.prefill_steps == set() and timed.kv == []
-
-
-def test_decode_steps_are_priced_by_the_kv_they_read():
-    """Decode steps that cost 2 ms + 20 us a sample + 0.5 us a KV token (noise +-3%): the fit
-    finds the three terms, and the planner uses them once KV_MIN_STEPS steps say their KV.
-    Per batch size alone, a destination holding a long tail's KV was priced far below its
-    steps (the per-sample slope took the KV's cost at the lengths the fit saw most)."""
-    import random
-
-    rng = random.Random(0)
-    steps = []
-    for ctx in range(8, 200, 6):               # a rollout's contexts grow a token a step
-        for b in (4, 8, 16, 24, 32, 48, 64):
-            k = b * ctx
-            steps.append((b, k, (0.002 + 20e-6 * b + 0.5e-6 * k) * rng.uniform(0.97, 1.03)))
-    base, per_sample, per_kv = fit_decode_steps(steps)
-    assert base == pytest.approx(0.002, rel=0.05)
-    assert per_sample == pytest.approx(20e-6, rel=0.15)
-    assert per_kv == pytest.approx(0.5e-6, rel=0.05)
-    # Too few distinct buckets to tell the terms apart: the fallback, no KV term.
-    assert fit_decode_steps(steps[:2], fallback=(1e-3, 1e-5)) == (1e-3, 1e-5, 0.0)
-    # A term that fits negative is dropped: steps that cost less with more KV fit without it.
-    flat = [(b, k, 0.003 - 1e-9 * k) for b, k, _ in steps]
-    assert fit_decode_steps(flat)[2] == 0.0
-
-    p = RtPlanner(64, 2, bs_max=64)
-    few = steps[: KV_MIN_STEPS - 1]
-    p.observe([4] * 64, SimpleNamespace(steps=[(b, s) for b, _, s in few],
-                                        kv=[k for _, k, _ in few]), prompt_len=6)
-    assert p.cluster().step_per_kv_token_s == 0.0
-    p.observe([4] * 64, SimpleNamespace(steps=[(b, s) for b, _, s in steps],
-                                        kv=[k for _, k, _ in steps]), prompt_len=6)
-    c = p.cluster()
-    assert c.step_per_kv_token_s == pytest.approx(0.5e-6, rel=0.05)
-    assert c.step_base_s + 32 * c.step_per_sample_s + 32 * 190 * c.step_per_kv_token_s \
-        == pytest.approx(0.002 + 32 * 20e-6 + 32 * 190 * 0.5e-6, rel=0.03)
+    assert timed.prefills == [] and timed.prefill_steps == set()
 
 
 def test_the_decode_fit_leaves_the_prefill_out():
@@ -150,9 +102,8 @@ def test_a_checkpoint_keeps_the_sweep_schedule_and_the_prefill_fit():
     where the sweep schedule stands travel with the planner's observations."""
     from rlhf_fusion.loop.checkpoint import load_worker_state, worker_state
 
-    steps = [(64, 0.020)] + [(b, 0.002 + 0.0001 * b) for b in (40, 24, 16, 8, 4, 2, 1)] * 10
-    kv = [0] + [b * (10 + i // 7) for i, (b, _) in enumerate(steps[1:])]
-    backend = SimpleNamespace(steps=steps, prefill_steps={0}, prefills=[(64, 0.020)], kv=kv)
+    steps = [(64, 0.020)] + [(b, 0.002 + 0.0001 * b) for b in (40, 24, 16, 8, 4, 2, 1)]
+    backend = SimpleNamespace(steps=steps, prefill_steps={0}, prefills=[(64, 0.020)])
 
     def worker(p):
         return SimpleNamespace(rt_planner=p, iteration_index=4, world=1, rank=0,
@@ -165,6 +116,5 @@ def test_a_checkpoint_keeps_the_sweep_schedule_and_the_prefill_fit():
     q = RtPlanner(48, 2, bs_max=64)
     load_worker_state(worker(q), worker_state(worker(p), []))
     assert q.prefills == p.prefills and q.cluster() == p.cluster()
-    assert q.decode_kv == p.decode_kv
     assert [q.rt() for _ in range(6)] == [p.rt() for _ in range(6)]
     assert q.sweeps == p.sweeps == 4

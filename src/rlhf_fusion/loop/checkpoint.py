@@ -52,7 +52,6 @@ def worker_state(worker: Any, history: list[dict[str, float]]) -> dict[str, Any]
         "rt_planner": {"dist": None if planner.dist is None else
                        (planner.dist.lengths.tolist(), planner.dist.weights.tolist()),
                        "by_batch": dict(planner.by_batch),
-                       "decode_kv": [list(x) for x in planner.decode_kv],
                        "scoring": planner.scoring, "current": planner.current,
                        "history": planner.history, "prompt_len": planner.prompt_len,
                        "prefills": [list(x) for x in planner.prefills],
@@ -88,8 +87,6 @@ def load_worker_state(worker: Any, ck: dict[str, Any], where: str = "checkpoint"
     planner.dist = None if st["dist"] is None else LengthDistribution(*st["dist"])
     planner.by_batch.clear()
     planner.by_batch.update(st["by_batch"])
-    # (older checkpoints: no KV-aware decode fit until KV_MIN_STEPS steps are seen again)
-    planner.decode_kv = [tuple(x) for x in st.get("decode_kv", [])]
     # (older checkpoints kept every scoring call: their last entries stand in for batches)
     planner.scoring = [tuple(x) for x in st["scoring"]][-SCORING_WINDOW:]
     planner.current = st["current"]

@@ -182,11 +182,6 @@ class ReferenceBackend:
     def num_active(self) -> int:
         return len(self._active)
 
-    @property
-    def kv_tokens(self) -> int:
-        """KV tokens the running samples hold: what the next decode step's attention reads."""
-        return sum(s.kv_len for s in self._active)
-
     # -- the engine loop ----------------------------------------------------------------------
     def step(self) -> list[SampleResult]:
         self._require_awake("step")

@@ -41,17 +41,6 @@ FIRST_FRACTION = 0.25
 # does not model the stream's per-sample store traffic or the trigger polling, and a gain
 # below this is within them (and within float noise when nothing is long-tailed).
 MIN_GAIN = 0.01
-# A decode step reads every running sample's KV: its cost grows with the KV held, not only with
-# the samples running, and a migration's destination holds the whole tail's. Fitted from the
-# last KV_STEPS decode steps whose backend says how much KV it holds (``kv_tokens``), in
-# buckets of one batch size and KV_BIN tokens, once there are KV_MIN_STEPS of them. A fit of
-# the GRPO demo's serial decode steps over a whole run puts a step of 32 samples at 42 tokens
-# of context at 6.8-7.5 ms, the per-batch-size fit at 4.7-4.9 ms (session 48, the analysis);
-# within one run's first iterations the planner's own fit often cannot tell the KV term from
-# the per-sample one, and then leaves it at zero as before.
-KV_STEPS = 4096
-KV_BIN = 32
-KV_MIN_STEPS = 64
 # Weight of the newest batch when the length distribution is refined.
 REFINE_WEIGHT = 0.5
 # A sweep simulates about a hundred rollouts (20 ms for 64 samples on one CPU core), and it
@@ -63,9 +52,8 @@ REPLAN_MAX = 8
 
 class TimedBackend:
     """A GenerationBackend that records ``(running samples, seconds)`` of every decode step,
-    the KV tokens the running samples held as it started (``kv``, None where the backend
-    does not say: ``kv_tokens``), and the thread CPU time the steps took (``cpu_s``): wall
-    above CPU is time the step waited for a core.
+    and the thread CPU time the steps took (``cpu_s``): wall above CPU is time the step
+    waited for a core.
 
     A step that starts with nothing running and admits new samples (a rollout's first)
     prefills them before it decodes: on the demo's CPU it took 13-20 ms against 2-3 ms for a
@@ -76,14 +64,12 @@ class TimedBackend:
     def __init__(self, inner: Any) -> None:
         self._inner = inner
         self.steps: list[tuple[int, float]] = []
-        self.kv: list[int | None] = []
         self.prefill_steps: set[int] = set()
         self.prefills: list[tuple[int, float]] = []
         self.cpu_s = 0.0
 
     def step(self) -> Any:
         active = getattr(self._inner, "num_active", None)
-        self.kv.append(getattr(self._inner, "kv_tokens", None))
         # unfinished() sorts every sample id: only when nothing runs (or nothing says so)
         waiting = 0 if active else len(self._inner.unfinished())
         b = active or waiting
@@ -102,45 +88,12 @@ class TimedBackend:
 
     def reset_timing(self) -> None:
         self.steps = []
-        self.kv = []
         self.prefill_steps = set()
         self.prefills = []
         self.cpu_s = 0.0
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
-
-
-def fit_decode_steps(steps: Sequence[tuple[int, int, float]],
-                     fallback: tuple[float, float] = (1e-3, 0.0)) -> tuple[float, float, float]:
-    """``(base, per sample, per KV token)`` seconds of a decode step, least squares over the
-    medians of ``(running samples, KV tokens, seconds)`` steps bucketed by batch size and
-    ``KV_BIN`` tokens (a bucket's weight: its steps); a coefficient that comes out negative
-    is dropped and the rest refitted. ``fallback`` ``(base, per sample)`` where the buckets
-    cannot tell the terms apart."""
-    import numpy as np
-
-    buckets: dict[tuple[int, int], list[tuple[int, int, float]]] = defaultdict(list)
-    for b, k, s in steps:
-        buckets[(b, k // KV_BIN)].append((b, k, s))
-    rows = [(statistics.fmean(x[0] for x in v), statistics.fmean(x[1] for x in v),
-             statistics.median(x[2] for x in v), len(v)) for v in buckets.values()]
-    if len(rows) < 3:
-        return (*fallback, 0.0)
-    a = np.array([[1.0, b, k] for b, k, _, _ in rows])
-    y = np.array([s for _, _, s, _ in rows])
-    w = np.sqrt(np.array([n for *_, n in rows], dtype=float))
-    keep = [0, 1, 2]
-    while True:
-        coef, *_ = np.linalg.lstsq(a[:, keep] * w[:, None], y * w, rcond=None)
-        neg = [j for j, c in zip(keep[1:], coef[1:], strict=True) if c < 0]
-        if not neg:
-            break
-        keep.remove(neg[0])
-    out = dict(zip(keep, coef.tolist(), strict=True))
-    if out[0] <= 0:
-        return (*fallback, 0.0)
-    return out[0], out.get(1, 0.0), out.get(2, 0.0)
 
 
 def timed_scoring(score: Callable[[Sequence[Any]], Any], log: list[tuple[int, float]],
@@ -177,8 +130,6 @@ class RtPlanner:
         self.fixed = fixed
         self.dist: LengthDistribution | None = None
         self.by_batch: dict[int, list[float]] = defaultdict(list)
-        # (running samples, KV tokens held, seconds) of the last KV_STEPS decode steps
-        self.decode_kv: list[tuple[int, int, float]] = []
         # (samples admitted, seconds) of the steps that prefilled them (TimedBackend.prefills)
         self.prefills: list[tuple[int, float]] = []
         # (tokens scored, seconds) per observed batch, the last SCORING_WINDOW of them
@@ -197,14 +148,9 @@ class RtPlanner:
             self.dist = (LengthDistribution(lengths) if self.dist is None
                          else self.dist.refine(lengths, REFINE_WEIGHT))
         skip = getattr(backend, "prefill_steps", ())
-        kv = getattr(backend, "kv", ())
         for i, (b, s) in enumerate(backend.steps):
             if i not in skip:
                 self.by_batch[b].append(s)
-                k = kv[i] if i < len(kv) else None
-                if k is not None and b > 0:
-                    self.decode_kv.append((b, int(k), s))
-        del self.decode_kv[:-KV_STEPS]
         self.prefills.extend(getattr(backend, "prefills", ()))
         if scoring:
             self.scoring.append((sum(t for t, _ in scoring), sum(s for _, s in scoring)))
@@ -222,9 +168,6 @@ class RtPlanner:
             base = max(my - slope * mx, 1e-6)
         else:
             slope, base = 0.0, pts[0][1] if pts else 1e-3
-        per_kv = 0.0
-        if len(self.decode_kv) >= KV_MIN_STEPS:
-            base, slope, per_kv = fit_decode_steps(self.decode_kv, fallback=(base, slope))
         tok = sum(t for t, _ in self.scoring)
         per_token = (sum(s for _, s in self.scoring) / tok) if tok else base / 16
         # A prefill step also decodes the samples it admits: what it costs above that decode
@@ -237,7 +180,7 @@ class RtPlanner:
             prefill = per_sample / max(self.prompt_len, 1)
         return ClusterModel(
             instances=self.world, bs_max=self.bs_max, step_base_s=base,
-            step_per_sample_s=slope, step_per_kv_token_s=per_kv,
+            step_per_sample_s=slope, step_per_kv_token_s=0.0,
             prefill_per_token_s=prefill, infer_per_token_s=per_token,
             kv_capacity_tokens=self.kv_capacity_tokens, prompt_len=self.prompt_len)
 

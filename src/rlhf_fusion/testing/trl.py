@@ -203,7 +203,6 @@ def script_planner(planner: Any, kind: str) -> None:
 
     planner.dist = None
     planner.by_batch.clear()
-    planner.decode_kv.clear()
     planner.scoring.clear()
     planner.observe(RT_SCRIPT_LENGTHS[kind], SimpleNamespace(steps=RT_SCRIPT_STEPS),
                     [(1000, 0.1)] * 4, prompt_len=10)
