@@ -61,6 +61,7 @@ from ..launch import note_stage
 from .backend import GenerationBackend
 from .board import NO_TRIGGER, SharedBoard
 from .config import RolloutConfig, check_rollout
+from .experience_wire import pack_batch, unpack_batch
 from .inference import Experience, InferenceModels
 from .local import RolloutOutput, assemble, moving, resolve_mode, shard_of, should_trigger
 from .planning.planner import MigrationAssignment, assign_migration, choose_mechanism
@@ -301,8 +302,13 @@ def run_rollout(
                                     stats, settle, board, incoming)
     stats["local_end_s"] = time.perf_counter() - t0
     note_stage("assembling the experience batch", 1)
-    gathered = (r.gather((results, exps, stats), "the experience batch") if board is None
-                else _board_gather(r, board, (results, exps, stats), "the experience batch"))
+    # As columns (.experience_wire): the last rank to finish dumps it, every peer then loads
+    # it, both on the rollout's critical path.
+    msg = (pack_batch(results, exps), stats)
+    wire = (r.gather(msg, "the experience batch") if board is None
+            else _board_gather(r, board, msg, "the experience batch"))
+    gathered = [(results, exps, stats) if k == r.rank else (*unpack_batch(pb), st)
+                for k, (pb, st) in enumerate(wire)]
     all_results = assemble((x for g in gathered for x in g[0]), ids, "results")
     all_exps = (assemble((x for g in gathered for x in g[1]), ids, "experience batch")
                 if inference is not None else None)
