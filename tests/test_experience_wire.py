@@ -49,11 +49,13 @@ def _batch():
     results, exps = [], []
     for i, (p, g) in enumerate([(3, 0), (1, 4), (5, 2), (2, 5)]):
         lps = tuple(special[:g])
-        results.append(SampleResult(10 + i, tuple(range(p)), tuple(range(7, 7 + g)), lps,
+        # a backend may pass its spec's prompt on as a list
+        prompt = list(range(p)) if i % 2 else tuple(range(p))
+        results.append(SampleResult(10 + i, prompt, tuple(range(7, 7 + g)), lps,
                                     ("stop", "length", "abort")[i % 3], instance=i % 2,
                                     migrated=bool(i & 1)))
         gen = torch.Generator().manual_seed(i)
-        exps.append(Experience(10 + i, tuple(range(p)), tuple(range(7, 7 + g)),
+        exps.append(Experience(10 + i, prompt, tuple(range(7, 7 + g)),
                                ("stop", "length")[i % 2], torch.tensor(lps, dtype=torch.float64),
                                torch.randn(g, generator=gen, dtype=torch.float64),
                                torch.zeros(g, dtype=torch.float64), -0.0 if i == 0 else i / 3))
@@ -78,8 +80,14 @@ def test_the_packed_batch_comes_back_field_for_field_and_bit_for_bit():
     assert p.raw is None   # the columns, not the objects, travelled
     got_results, got_exps = unpack_batch(p)
     assert got_results == results   # equality covers ids, tokens and logprobs
-    assert [(s.instance, s.migrated, type(s)) for s in got_results] == \
-        [(s.instance, s.migrated, type(s)) for s in results]
+    def kinds(s):
+        return (s.instance, s.migrated, type(s), type(s.prompt_ids), type(s.token_ids),
+                type(s.logprobs))
+
+    assert [kinds(s) for s in got_results] == [kinds(s) for s in results]
+    assert {type(s.prompt_ids) for s in got_results} == {list, tuple}
+    assert [(type(e.prompt_ids), type(e.response_ids)) for e in got_exps] == \
+        [(type(e.prompt_ids), type(e.response_ids)) for e in exps]
     assert [_bits(torch.tensor(s.logprobs, dtype=torch.float64)) for s in got_results] == \
         [_bits(torch.tensor(s.logprobs, dtype=torch.float64)) for s in results]
     assert all(_same(a, b) for a, b in zip(exps, got_exps, strict=True))
@@ -94,7 +102,8 @@ def test_what_does_not_fit_the_columns_travels_as_objects():
 
     results, exps = _batch()
     for bad in ({"values": torch.zeros(4, dtype=torch.float32)},
-                {"ref_logprobs": torch.zeros(4, 1, dtype=torch.float64)}):
+                {"ref_logprobs": torch.zeros(4, 1, dtype=torch.float64)},
+                {"reward": torch.tensor(0.5, dtype=torch.float64)}):
         odd = list(exps)
         odd[1] = Experience(**{**exps[1].__dict__, **bad})
         p = pickle.loads(pickle.dumps(pack_batch(results, odd)))
@@ -102,6 +111,7 @@ def test_what_does_not_fit_the_columns_travels_as_objects():
         got_results, got_exps = unpack_batch(p)
         assert got_results == results
         k = next(iter(bad))
+        assert type(getattr(got_exps[1], k)) is torch.Tensor
         assert getattr(got_exps[1], k).dtype == bad[k].dtype
         assert getattr(got_exps[1], k).shape == bad[k].shape
 
