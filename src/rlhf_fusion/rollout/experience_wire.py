@@ -4,14 +4,15 @@ Every rollout ends with each rank's results and experiences reaching every rank,
 fused and the serial mode. Pickled as objects, 64 samples cost 2.5 ms to dump and 1.4 ms to
 load per rank on the 2-core VM (every tensor goes through numpy, every dataclass through its
 state): a fixed cost on every rollout's critical path (the last rank to finish dumps, its
-peers wait, then load). As one int64 and two float64 arrays they cost about a third of it
+peers wait, then load). As one int64 and two float64 arrays they cost about half
+of it, a dump of 1.0-1.2 ms and a load of 0.8-1.1 ms
 (``benchmarks/results/grpo_demo_compare_analysis.md``, session 49).
 
 ``pack_batch`` keeps the objects as they are when a field does not fit the columns (a tensor
-that is not a 1-D float64 CPU tensor, a subclass): the pickled form still carries it exactly.
-Unpacked, every value is the one packed, bit for bit (float64 holds a Python float exactly),
-in the container it went in (a tuple or a list);
-an experience's three tensors are views into the message's one buffer. The sending rank
+that is not a 1-D float64 CPU tensor, a reward that is not a float, a subclass): the pickled
+form still carries it exactly. Unpacked, every value is the one packed, bit for bit (float64
+holds a Python float exactly), in the container it went in (a tuple or a list); an
+experience's three tensors are views into the message's one buffer. The sending rank
 keeps its own objects: it does not unpack its own message.
 """
 
