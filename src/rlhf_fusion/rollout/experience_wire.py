@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -29,30 +30,20 @@ from .types import SampleResult
 
 _RESULT_HEAD = 7       # sample_id, prompt len, token len, finish reason, instance, migrated, kinds
 _EXPERIENCE_HEAD = 5   # sample_id, prompt len, response len, finish reason, kinds
+_TENSORS = ("logprobs", "ref_logprobs", "values")
 # A backend may hand on its spec's prompt as a list: the containers come back as they went.
 _SEQUENCES = (tuple, list)
 
 
-def _kinds(*seqs: object) -> int:
-    """Each container's type as one bit (0 tuple, 1 list); raises ``_Misfit`` for any other."""
+def _kinds(*seqs: object) -> int | None:
+    """Each container's type as two bits (0 tuple, 1 list); None for any other type."""
     out = 0
     for k, x in enumerate(seqs):
         t = type(x)
         if t not in _SEQUENCES:
-            raise _Misfit
+            return None
         out |= _SEQUENCES.index(t) << k
     return out
-
-
-class _Misfit(TypeError):
-    """A field the columns cannot carry exactly: the batch travels as objects."""
-
-
-def _tensor(t: object, n: int) -> torch.Tensor:
-    if not (isinstance(t, torch.Tensor) and t.dtype == torch.float64 and t.dim() == 1
-            and t.device.type == "cpu" and not t.requires_grad and t.numel() == n):
-        raise _Misfit
-    return t
 
 
 def _as(kinds: int, k: int, items: list) -> tuple | list:
@@ -73,14 +64,35 @@ class PackedBatch:
     raw: tuple[list[SampleResult], list[Experience] | None] | None = None
 
 
+def _fits(results: Sequence[Any], exps: Sequence[Any] | None) -> bool:
+    if any(type(s) is not SampleResult or _kinds(s.prompt_ids, s.token_ids, s.logprobs) is None
+           for s in results):
+        return False
+    if exps is None:
+        return True
+    for e in exps:
+        if (type(e) is not Experience or type(e.reward) is not float
+                or _kinds(e.prompt_ids, e.response_ids) is None):
+            return False
+        for k in _TENSORS:
+            t = getattr(e, k)
+            if not (isinstance(t, torch.Tensor) and t.dtype == torch.float64 and t.dim() == 1
+                    and t.device.type == "cpu" and not t.requires_grad
+                    and t.numel() == len(e.response_ids)):
+                return False
+    return True
+
+
 def pack_batch(results: Sequence[SampleResult], exps: Sequence[Experience] | None
                ) -> PackedBatch:
     """``results`` and ``exps`` (or ``None``) as columns, for a pickle that is cheap both ways."""
-    try:
-        return _pack(results, exps)
-    except (TypeError, ValueError, OverflowError):   # _Misfit, or an id numpy will not take
-        return PackedBatch(0, 0, (), np.zeros(0, np.int64), np.zeros(0), None,
-                           raw=(list(results), None if exps is None else list(exps)))
+    if _fits(results, exps):
+        try:
+            return _pack(results, exps)
+        except (TypeError, ValueError, OverflowError):   # an id or a float numpy will not take
+            pass
+    return PackedBatch(0, 0, (), np.zeros(0, np.int64), np.zeros(0), None,
+                       raw=(list(results), None if exps is None else list(exps)))
 
 
 def _pack(results: Sequence[SampleResult], exps: Sequence[Experience] | None) -> PackedBatch:
@@ -88,8 +100,6 @@ def _pack(results: Sequence[SampleResult], exps: Sequence[Experience] | None) ->
     ints: list[int] = []
     floats: list[float] = []
     for s in results:
-        if type(s) is not SampleResult:
-            raise _Misfit
         r = code.setdefault(s.finish_reason, len(code))
         ints += (s.sample_id, len(s.prompt_ids), len(s.token_ids), r, s.instance,
                  int(s.migrated), _kinds(s.prompt_ids, s.token_ids, s.logprobs))
@@ -98,15 +108,12 @@ def _pack(results: Sequence[SampleResult], exps: Sequence[Experience] | None) ->
         floats += s.logprobs
     tensors: list[torch.Tensor] = []
     for e in exps or ():
-        if type(e) is not Experience or type(e.reward) is not float:
-            raise _Misfit
         r = code.setdefault(e.finish_reason, len(code))
         ints += (e.sample_id, len(e.prompt_ids), len(e.response_ids), r,
                  _kinds(e.prompt_ids, e.response_ids))
         ints += e.prompt_ids
         ints += e.response_ids
-        g = len(e.response_ids)
-        tensors += (_tensor(e.logprobs, g), _tensor(e.ref_logprobs, g), _tensor(e.values, g))
+        tensors += (e.logprobs, e.ref_logprobs, e.values)
         floats.append(e.reward)
     return PackedBatch(
         len(results), -1 if exps is None else len(exps), tuple(code),
