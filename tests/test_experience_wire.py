@@ -99,11 +99,15 @@ def test_the_packed_batch_comes_back_field_for_field_and_bit_for_bit():
 
 def test_what_does_not_fit_the_columns_travels_as_objects():
     from rlhf_fusion.rollout.experience_wire import pack_batch, unpack_batch
+    from rlhf_fusion.rollout.types import SampleResult
 
     results, exps = _batch()
     for bad in ({"values": torch.zeros(4, dtype=torch.float32)},
                 {"ref_logprobs": torch.zeros(4, 1, dtype=torch.float64)},
-                {"reward": torch.tensor(0.5, dtype=torch.float64)}):
+                {"reward": torch.tensor(0.5, dtype=torch.float64)},
+                # checked once on the concatenation, not per tensor
+                {"logprobs": torch.zeros(4, dtype=torch.float64, requires_grad=True)},
+                {"values": torch.zeros(5, dtype=torch.float64)}):   # one per token, not 5
         odd = list(exps)
         odd[1] = Experience(**{**exps[1].__dict__, **bad})
         p = pickle.loads(pickle.dumps(pack_batch(results, odd)))
@@ -112,8 +116,13 @@ def test_what_does_not_fit_the_columns_travels_as_objects():
         assert got_results == results
         k = next(iter(bad))
         assert type(getattr(got_exps[1], k)) is torch.Tensor
+        assert getattr(got_exps[1], k).requires_grad == bad[k].requires_grad
         assert getattr(got_exps[1], k).dtype == bad[k].dtype
         assert getattr(got_exps[1], k).shape == bad[k].shape
+    odd_results = list(results)
+    odd_results[2] = SampleResult(**{**results[2].__dict__, "token_ids": range(7, 9)})
+    p = pickle.loads(pickle.dumps(pack_batch(odd_results, exps)))
+    assert p.raw is not None and unpack_batch(p)[0][2].token_ids == range(7, 9)
 
 
 def test_a_scorer_s_own_experiences_fit_the_columns():

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -30,24 +29,8 @@ from .types import SampleResult
 
 _RESULT_HEAD = 7       # sample_id, prompt len, token len, finish reason, instance, migrated, kinds
 _EXPERIENCE_HEAD = 5   # sample_id, prompt len, response len, finish reason, kinds
-_TENSORS = ("logprobs", "ref_logprobs", "values")
 # A backend may hand on its spec's prompt as a list: the containers come back as they went.
-_SEQUENCES = (tuple, list)
-
-
-def _kinds(*seqs: object) -> int | None:
-    """Each container's type as two bits (0 tuple, 1 list); None for any other type."""
-    out = 0
-    for k, x in enumerate(seqs):
-        t = type(x)
-        if t not in _SEQUENCES:
-            return None
-        out |= _SEQUENCES.index(t) << k
-    return out
-
-
-def _as(kinds: int, k: int, items: list) -> tuple | list:
-    return items if kinds >> k & 1 else tuple(items)
+_KIND = {tuple: 0, list: 1}   # each container's type as one bit of a head's kinds
 
 
 @dataclass(frozen=True)
@@ -64,62 +47,67 @@ class PackedBatch:
     raw: tuple[list[SampleResult], list[Experience] | None] | None = None
 
 
-def _fits(results: Sequence[Any], exps: Sequence[Any] | None) -> bool:
-    if any(type(s) is not SampleResult or _kinds(s.prompt_ids, s.token_ids, s.logprobs) is None
-           for s in results):
-        return False
-    if exps is None:
-        return True
-    for e in exps:
-        if (type(e) is not Experience or type(e.reward) is not float
-                or _kinds(e.prompt_ids, e.response_ids) is None):
-            return False
-        for k in _TENSORS:
-            t = getattr(e, k)
-            if not (isinstance(t, torch.Tensor) and t.dtype == torch.float64 and t.dim() == 1
-                    and t.device.type == "cpu" and not t.requires_grad
-                    and t.numel() == len(e.response_ids)):
-                return False
-    return True
-
-
 def pack_batch(results: Sequence[SampleResult], exps: Sequence[Experience] | None
                ) -> PackedBatch:
     """``results`` and ``exps`` (or ``None``) as columns, for a pickle that is cheap both ways."""
-    if _fits(results, exps):
-        try:
-            return _pack(results, exps)
-        except (TypeError, ValueError, OverflowError):   # an id or a float numpy will not take
-            pass
+    try:
+        packed = _pack(results, exps)
+    except (TypeError, ValueError, OverflowError):   # an id or a float numpy will not take
+        packed = None
+    if packed is not None:
+        return packed
     return PackedBatch(0, 0, (), np.zeros(0, np.int64), np.zeros(0), None,
                        raw=(list(results), None if exps is None else list(exps)))
 
 
-def _pack(results: Sequence[SampleResult], exps: Sequence[Experience] | None) -> PackedBatch:
+def _pack(results: Sequence[SampleResult], exps: Sequence[Experience] | None
+          ) -> PackedBatch | None:
+    """The columns in one pass over the batch; None when a field does not fit them."""
     code: dict[str, int] = {}
     ints: list[int] = []
     floats: list[float] = []
+    kind = _KIND.get
     for s in results:
+        if type(s) is not SampleResult:
+            return None
+        a, b, c = kind(type(s.prompt_ids)), kind(type(s.token_ids)), kind(type(s.logprobs))
+        if a is None or b is None or c is None:
+            return None
         r = code.setdefault(s.finish_reason, len(code))
         ints += (s.sample_id, len(s.prompt_ids), len(s.token_ids), r, s.instance,
-                 int(s.migrated), _kinds(s.prompt_ids, s.token_ids, s.logprobs))
+                 int(s.migrated), a | b << 1 | c << 2)
         ints += s.prompt_ids
         ints += s.token_ids
         floats += s.logprobs
     tensors: list[torch.Tensor] = []
+    f64, tensor = torch.float64, torch.Tensor
     for e in exps or ():
+        if type(e) is not Experience or type(e.reward) is not float:
+            return None
+        a, b = kind(type(e.prompt_ids)), kind(type(e.response_ids))
+        if a is None or b is None:
+            return None
+        g = (len(e.response_ids),)
+        for t in (e.logprobs, e.ref_logprobs, e.values):
+            # Per tensor what ``cat`` would silently change (its type, dtype, shape); the
+            # device and autograd, which ``cat`` carries over, are checked once on the result.
+            if type(t) is not tensor or t.dtype is not f64 or t.shape != g:
+                return None
+            tensors.append(t)
         r = code.setdefault(e.finish_reason, len(code))
-        ints += (e.sample_id, len(e.prompt_ids), len(e.response_ids), r,
-                 _kinds(e.prompt_ids, e.response_ids))
+        ints += (e.sample_id, len(e.prompt_ids), g[0], r, a | b << 1)
         ints += e.prompt_ids
         ints += e.response_ids
-        tensors += (e.logprobs, e.ref_logprobs, e.values)
         floats.append(e.reward)
+    column = None
+    if exps is not None:
+        column = torch.cat(tensors) if tensors else torch.zeros(0, dtype=f64)
+        if column.device.type != "cpu" or column.requires_grad:
+            return None
     return PackedBatch(
         len(results), -1 if exps is None else len(exps), tuple(code),
         np.array(ints, dtype=np.int64), np.array(floats, dtype=np.float64),
-        None if exps is None else (torch.cat(tensors).numpy() if tensors
-                                   else np.zeros(0, np.float64)))
+        None if column is None else column.numpy())
 
 
 def unpack_batch(p: PackedBatch) -> tuple[list[SampleResult], list[Experience] | None]:
@@ -128,19 +116,22 @@ def unpack_batch(p: PackedBatch) -> tuple[list[SampleResult], list[Experience] |
         return p.raw
     iv: list[int] = p.ints.tolist()
     fv: list[float] = p.floats.tolist()
+    reasons = p.reasons
     i = j = 0
     results: list[SampleResult] = []
     new = object.__new__
     for _ in range(p.n_results):
         sid, a, b, r, inst, mig, kinds = iv[i: i + _RESULT_HEAD]
         i += _RESULT_HEAD
+        prompt, tokens, logprobs = iv[i: i + a], iv[i + a: i + a + b], fv[j: j + b]
         # A frozen dataclass's __init__ sets each field through object.__setattr__: filling
         # __dict__ at once is what unpickling does too, at a third of the cost.
         s = new(SampleResult)
-        s.__dict__.update(sample_id=sid, prompt_ids=_as(kinds, 0, iv[i: i + a]),
-                          token_ids=_as(kinds, 1, iv[i + a: i + a + b]),
-                          logprobs=_as(kinds, 2, fv[j: j + b]),
-                          finish_reason=p.reasons[r], instance=inst, migrated=bool(mig))
+        s.__dict__.update(sample_id=sid,
+                          prompt_ids=prompt if kinds & 1 else tuple(prompt),
+                          token_ids=tokens if kinds & 2 else tuple(tokens),
+                          logprobs=logprobs if kinds & 4 else tuple(logprobs),
+                          finish_reason=reasons[r], instance=inst, migrated=bool(mig))
         results.append(s)
         i += a + b
         j += b
@@ -151,8 +142,9 @@ def unpack_batch(p: PackedBatch) -> tuple[list[SampleResult], list[Experience] |
     for _ in range(p.n_experiences):
         sid, a, b, r, kinds = iv[i: i + _EXPERIENCE_HEAD]
         i += _EXPERIENCE_HEAD
-        heads.append((sid, _as(kinds, 0, iv[i: i + a]), _as(kinds, 1, iv[i + a: i + a + b]),
-                      p.reasons[r], fv[j]))
+        prompt, response = iv[i: i + a], iv[i + a: i + a + b]
+        heads.append((sid, prompt if kinds & 1 else tuple(prompt),
+                      response if kinds & 2 else tuple(response), reasons[r], fv[j]))
         sizes += (b, b, b)
         i += a + b
         j += 1
@@ -162,7 +154,12 @@ def unpack_batch(p: PackedBatch) -> tuple[list[SampleResult], list[Experience] |
     assert p.tensors is not None
     # One buffer per message (the receiver's own, from the pickle), split into views.
     parts = torch.from_numpy(p.tensors).split(sizes)
-    exps = [Experience(sid, prompt, resp, reason, parts[3 * k], parts[3 * k + 1],
-                       parts[3 * k + 2], reward)
-            for k, (sid, prompt, resp, reason, reward) in enumerate(heads)]
+    exps = []
+    for k, (sid, prompt, resp, reason, reward) in enumerate(heads):
+        lp, ref, values = parts[3 * k: 3 * k + 3]
+        e = new(Experience)
+        e.__dict__.update(sample_id=sid, prompt_ids=prompt, response_ids=resp,
+                          finish_reason=reason, logprobs=lp, ref_logprobs=ref, values=values,
+                          reward=reward)
+        exps.append(e)
     return results, exps
