@@ -97,34 +97,51 @@ class InferenceModels:
         return out
 
     def _score_batch(self, samples: Sequence[SampleResult]) -> list[dict[str, object]]:
+        empty = [s.sample_id for s in samples if not s.prompt_ids]
+        if empty:
+            raise ValueError(f"samples {empty} have empty prompts: no position predicts their "
+                             "first response token, so the Ref cannot score it")
         seqs = [list(s.prompt_ids) + list(s.token_ids) for s in samples]
         width = max(len(x) for x in seqs)
-        ids = torch.full((len(seqs), width), self.pad_id, dtype=torch.long)
-        mask = torch.zeros((len(seqs), width), dtype=torch.long)
-        for i, x in enumerate(seqs):
-            ids[i, : len(x)] = torch.as_tensor(x)
-            mask[i, : len(x)] = 1
-        ids, mask = ids.to(self.device), mask.to(self.device)
+        dev = self.device
+        ids = torch.tensor([x + [self.pad_id] * (width - len(x)) for x in seqs], device=dev)
+        mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in seqs], device=dev)
         reward_model = isinstance(self.reward, nn.Module)
         with torch.no_grad():
             logits = (self.ref(input_ids=ids, attention_mask=mask, use_cache=False).logits
                       if self.ref is not None else None)
             rewards = self.reward(ids, mask) if reward_model else None
             values = self.critic(ids, mask) if self.critic is not None else None
+        # Every response position of the micro-batch at once: one log_softmax, one gather and
+        # one device-to-host copy per model, not one per sample (each a sync on a GPU). A row
+        # of log_softmax is computed alone, so a sample's numbers do not depend on its peers.
+        lens = [len(s.token_ids) for s in samples]
+        rows = torch.tensor([i for i, g in enumerate(lens) for _ in range(g)], dtype=torch.long,
+                            device=dev)
+        # Position p-1+j predicts response token j.
+        cols = torch.tensor([len(s.prompt_ids) - 1 + j for s in samples
+                             for j in range(len(s.token_ids))], dtype=torch.long, device=dev)
+        ref_lp = values_lp = None
+        if logits is not None:
+            tok = torch.tensor([t for s in samples for t in s.token_ids], dtype=torch.long,
+                               device=dev)
+            ref_lp = torch.log_softmax(logits[rows, cols].to(torch.float64), dim=-1).gather(
+                1, tok[:, None])[:, 0].cpu().split(lens)
+        if values is not None:
+            values_lp = values[rows, cols].to(torch.float64).cpu().split(lens)
+        scores = None
+        if rewards is not None:
+            last = torch.tensor([len(x) - 1 for x in seqs], device=dev)
+            scores = rewards[torch.arange(len(seqs), device=dev), last].tolist()
         out: list[dict[str, object]] = []
         for i, s in enumerate(samples):
-            p, g = len(s.prompt_ids), len(s.token_ids)
             part: dict[str, object] = {}
-            if logits is not None:
-                # Position p-1+j predicts response token j.
-                rows = logits[i, p - 1: p - 1 + g].to(torch.float64)
-                tok = torch.as_tensor(s.token_ids, device=rows.device)
-                part["ref_logprobs"] = torch.log_softmax(rows, dim=-1).gather(
-                    1, tok[:, None])[:, 0].cpu()
-            if values is not None:
-                part["values"] = values[i, p - 1: p - 1 + g].to(torch.float64).cpu()
-            if rewards is not None:
-                part["reward"] = float(rewards[i, p + g - 1])
+            if ref_lp is not None:
+                part["ref_logprobs"] = ref_lp[i]
+            if values_lp is not None:
+                part["values"] = values_lp[i]
+            if scores is not None:
+                part["reward"] = float(scores[i])
             elif self.reward is not None:
                 part["reward"] = float(self.reward(s.prompt_ids, s.token_ids))
             out.append(part)
