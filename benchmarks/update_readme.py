@@ -302,8 +302,28 @@ def demo_grpo() -> str:
         f"{'met' if d['bar_met'] else '**not met**'}; the rollout gains about "
         f"{100 * (d['median_rollout_ratio'] - 1) / (d['median_bound'] - 1):.0f}% of what the "
         f"bound allows (`benchmarks/results/grpo_demo_compare_analysis.md`). Per-stage seconds: "
-        "`benchmarks/results/demo_compare_grpo.md`, `demo_compare_grpo.png`." + sixteen_cores()
+        "`benchmarks/results/demo_compare_grpo.md`, `demo_compare_grpo.png`." + corun()
+        + sixteen_cores()
     )
+
+
+def corun() -> str:
+    """What a rank's calls cost beside a busy peer (``benchmarks/corun_interference.py``)."""
+    path = RESULTS / "corun_interference.json"
+    if not path.exists():
+        return ""
+    d = json.loads(path.read_text())
+    rows = d["rows"]
+    beside_score = [r["slowdown"] for r in rows if r["a"] == "decode" and r["b"] == "score"]
+    scoring = {r["b"]: r["slowdown"] for r in rows if r["a"] == "score"}
+    return (f" On the same {d['cores']} cores, a rank's decode step costs "
+            f"x{min(beside_score):.2f}-x{max(beside_score):.2f} beside its peer's scoring and "
+            f"a scoring call x{scoring['decode']:.2f} beside its peer's decoding "
+            f"(x{scoring['score']:.2f} beside its scoring), against the same "
+            "call while the peer sleeps (medians paired by 50 ms slots, "
+            "`benchmarks/results/corun_interference.md`): the overlap runs side by side what "
+            "the serial rollout's slowest rank decodes alone at its tail, a cost the "
+            "simulator's bound does not price.")
 
 
 def sixteen_cores() -> str:
