@@ -114,21 +114,23 @@ class InferenceModels:
             values = self.critic(ids, mask) if self.critic is not None else None
         # Every response position of the micro-batch at once: one log_softmax, one gather and
         # one device-to-host copy per model, not one per sample (each a sync on a GPU). A row
-        # of log_softmax is computed alone, so a sample's numbers do not depend on its peers.
-        lens = [len(s.token_ids) for s in samples]
-        rows = torch.tensor([i for i, g in enumerate(lens) for _ in range(g)], dtype=torch.long,
-                            device=dev)
-        # Position p-1+j predicts response token j.
-        cols = torch.tensor([len(s.prompt_ids) - 1 + j for s in samples
-                             for j in range(len(s.token_ids))], dtype=torch.long, device=dev)
-        ref_lp = values_lp = None
-        if logits is not None:
-            tok = torch.tensor([t for s in samples for t in s.token_ids], dtype=torch.long,
-                               device=dev)
-            ref_lp = torch.log_softmax(logits[rows, cols].to(torch.float64), dim=-1).gather(
-                1, tok[:, None])[:, 0].cpu().split(lens)
-        if values is not None:
-            values_lp = values[rows, cols].to(torch.float64).cpu().split(lens)
+        # of log_softmax is computed alone, so each sample gets the numbers the per-sample
+        # path gave it from the same forward.
+        ref_lp = vals = None
+        if logits is not None or values is not None:
+            lens = [len(s.token_ids) for s in samples]
+            rows = torch.tensor([i for i, g in enumerate(lens) for _ in range(g)],
+                                dtype=torch.long, device=dev)
+            # Position p-1+j predicts response token j.
+            cols = torch.tensor([len(s.prompt_ids) - 1 + j for s in samples
+                                 for j in range(len(s.token_ids))], dtype=torch.long, device=dev)
+            if logits is not None:
+                tok = torch.tensor([t for s in samples for t in s.token_ids], dtype=torch.long,
+                                   device=dev)
+                ref_lp = torch.log_softmax(logits[rows, cols].to(torch.float64), dim=-1).gather(
+                    1, tok[:, None])[:, 0].cpu().split(lens)
+            if values is not None:
+                vals = values[rows, cols].to(torch.float64).cpu().split(lens)
         scores = None
         if rewards is not None:
             last = torch.tensor([len(x) - 1 for x in seqs], device=dev)
@@ -138,8 +140,8 @@ class InferenceModels:
             part: dict[str, object] = {}
             if ref_lp is not None:
                 part["ref_logprobs"] = ref_lp[i]
-            if values_lp is not None:
-                part["values"] = values_lp[i]
+            if vals is not None:
+                part["values"] = vals[i]
             if scores is not None:
                 part["reward"] = float(scores[i])
             elif self.reward is not None:
