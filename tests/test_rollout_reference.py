@@ -269,15 +269,16 @@ def test_a_source_whose_planned_samples_all_finished_sends_an_empty_ticket_file(
     """At the trigger a rank may go on decoding until its peer's progress report is there, so
     every sample the plan moves can finish first: the export is empty, and the destination
     reads the file's empty body as no tickets (``frombuffer`` refuses empty bytes)."""
-    from rlhf_fusion.rollout.distributed import _tensor
+    from rlhf_fusion.rollout.distributed import _view
 
     backend = ReferenceBackend(model)
     backend.submit([SampleSpec(0, [1], max_new_tokens=1)])
     backend.step()
     ints, floats = pack_tickets(backend.export_samples([0], mode="kv"))
     assert ints.numel() == floats.numel() == 0
-    body = ints.numpy().tobytes() + floats.numpy().tobytes()
-    assert unpack_tickets(0, _tensor(body[:0], torch.int64), _tensor(body, torch.float64)) == []
+    buf = bytearray(32 + len(ints.numpy().tobytes()) + len(floats.numpy().tobytes()))
+    assert len(buf) == 32
+    assert unpack_tickets(0, _view(buf, 32, 0, torch.int64), _view(buf, 32, 0, torch.float64)) == []
     other = ReferenceBackend(model)
     other.import_samples([])
     assert other.unfinished() == []

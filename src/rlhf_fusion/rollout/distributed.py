@@ -615,10 +615,10 @@ def _micro_batches(samples: int, inference: InferenceModels | None) -> int:
     return -(-samples // inference.micro_batch) if inference is not None else 0
 
 
-def _tensor(data: bytes, dtype: torch.dtype) -> torch.Tensor:
-    """``data`` as a 1-d tensor; empty bytes (a source whose planned samples all finished
-    before its export sends no ticket) as an empty one, which ``frombuffer`` refuses."""
-    return (torch.frombuffer(bytearray(data), dtype=dtype) if data
+def _view(buf: bytearray, offset: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """``count`` items of ``buf`` from byte ``offset`` on, without a copy (empty: an empty
+    tensor, which ``frombuffer`` refuses to make)."""
+    return (torch.frombuffer(buf, dtype=dtype, offset=offset, count=count) if count > 0
             else torch.empty(0, dtype=dtype))
 
 
@@ -645,15 +645,16 @@ class _Incoming:
                 continue
             r.fault("tickets_received", src)
             with open(path, "rb") as f:
-                data = f.read()
-            kind, n, n_int, n_flt = torch.frombuffer(bytearray(data[:32]),
-                                                     dtype=torch.int64).tolist()
+                data = bytearray(f.read())   # one copy, which the tensors below share
+            kind, n, n_int, n_flt = torch.frombuffer(data, dtype=torch.int64,
+                                                     count=4).tolist()
             if kind == _OVER_GLOO:
                 ints, floats = _recv_body(r, src, n_int, n_flt,
                                           "receiving migrated samples over gloo")
             else:
-                ints = _tensor(data[32: 32 + 8 * n_int], torch.int64)
-                floats = _tensor(data[32 + 8 * n_int:], torch.float64)
+                have = max(len(data) - 32 - 8 * n_int, 0) // 8
+                ints = _view(data, 32, min(n_int, (len(data) - 32) // 8), torch.int64)
+                floats = _view(data, 32 + 8 * n_int, have, torch.float64)
             if floats.numel() != n_flt or ints.numel() != n_int:
                 raise MigrationError(f"rank {r.rank}: the tickets from source rank {src} hold "
                                      f"{ints.numel()} ints and {floats.numel()} floats, their "

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import deque
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -394,8 +394,9 @@ class ReferenceBackend:
                 self.pool.release(s.blocks)
             elif mode == "kv" and isinstance(s.spec.kv, KVHandle):
                 kv = s.spec.kv  # imported but not yet admitted: pass its KV on untouched
-            spec = replace(s.spec, generated_ids=tuple(s.generated), logprobs=tuple(s.logprobs),
-                           kv=kv)
+            # (ints and floats this backend appended: nothing for the spec's checks to do)
+            spec = s.spec._replace(generated_ids=tuple(s.generated),
+                                   logprobs=tuple(s.logprobs), kv=kv)
             self._known.discard(s.sid)
             tickets.append(MigrationTicket(spec=spec, mode=mode, source=self.instance_id))
         return tickets
