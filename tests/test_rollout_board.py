@@ -78,3 +78,33 @@ def test_a_dead_jobs_messages_are_swept_when_a_new_board_is_made():
         board.unlink()
         board.close()
         os.unlink(live)
+
+
+def test_a_destination_waits_for_its_tickets_only_as_long_as_it_was_told(tmp_path):
+    """Before its first step after the plan a destination waits a bounded time for the
+    sources' ticket files (``_Incoming.wait``): it returns as soon as every one is there, and
+    gives up at the bound when one is late; either way nothing is read or imported yet."""
+    import threading
+    import time
+    from types import SimpleNamespace
+
+    from rlhf_fusion.rollout.distributed import _Incoming
+
+    board = SimpleNamespace(seq=3, mailbox=lambda name: str(tmp_path / name))
+    rank = SimpleNamespace(rank=0)
+    inc = _Incoming(rank, backend=None, board=board, sources=[1, 2])
+    paths = [tmp_path / "m3.1.0", tmp_path / "m3.2.0"]
+
+    t = time.perf_counter()
+    inc.wait(0.05)
+    assert 0.05 <= time.perf_counter() - t < 1.0   # nothing came: the bound
+    paths[0].write_bytes(b"")
+    t = time.perf_counter()
+    inc.wait(0.05)
+    assert time.perf_counter() - t >= 0.05         # one source is still missing
+
+    threading.Timer(0.02, paths[1].write_bytes, args=(b"",)).start()
+    t = time.perf_counter()
+    inc.wait(5.0)
+    assert time.perf_counter() - t < 2.0           # back once both are there
+    assert inc.pending == [1, 2] and all(p.exists() for p in paths)
