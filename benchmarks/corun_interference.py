@@ -1,7 +1,7 @@
 """What running beside a busy peer costs a rank: the GRPO demo's decode step and scoring call,
 timed while another process works and while it sleeps, on the same cores.
 
-    python benchmarks/corun_interference.py [--seconds 15] [--slot-ms 50]
+    python benchmarks/corun_interference.py [--seconds 15] [--slot-ms 50] [--hidden H --layers L]
 
 Inter-stage fusion overlaps the tail's decoding (the destination) with scoring (the freed
 rank). R_t's simulator prices a decode step by its batch size alone, fitted on serial
@@ -60,7 +60,7 @@ def _slot(t: float, slot: float) -> int:
 
 
 def _worker(role: str, work: str, batch: int, slot: float, start: float, stop: float,
-            queue: Any) -> None:
+            queue: Any, model: dict[str, int]) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import random
 
@@ -75,6 +75,7 @@ def _worker(role: str, work: str, batch: int, slot: float, start: float, stop: f
     from rlhf_fusion.rollout.types import SampleResult, SampleSpec
 
     cfg = grpo_demo_config()
+    cfg.models.actor.update(model)
     tok = load_tokenizer(cfg.models)
     vocab = int(tok.vocab_size)
     backend = ReferenceBackend(causal_lm(cfg.models.actor, vocab, seed=0),
@@ -132,15 +133,17 @@ def _worker(role: str, work: str, batch: int, slot: float, start: float, stop: f
     queue.put((role, calls))
 
 
-def run_case(a_work: str, batch: int, b_work: str, seconds: float, slot: float
-             ) -> dict[str, Any]:
+def run_case(a_work: str, batch: int, b_work: str, seconds: float, slot: float,
+             model: dict[str, int]) -> dict[str, Any]:
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     # Both processes build their models first (a few seconds), then start on the same clock.
     start = time.time() + 15
     stop = start + seconds
-    procs = [ctx.Process(target=_worker, args=("A", a_work, batch, slot, start, stop, queue)),
-             ctx.Process(target=_worker, args=("B", b_work, 16, slot, start, stop, queue))]
+    procs = [ctx.Process(target=_worker,
+                         args=("A", a_work, batch, slot, start, stop, queue, model)),
+             ctx.Process(target=_worker,
+                         args=("B", b_work, 16, slot, start, stop, queue, model))]
     for p in procs:
         p.start()
     try:
@@ -162,10 +165,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=15.0, help="timed seconds per case")
     ap.add_argument("--slot-ms", type=float, default=50.0,
                     help="B's work/sleep alternation period (ms)")
+    ap.add_argument("--hidden", type=int, default=None,
+                    help="the Actor's (and Ref's) hidden size instead of the demo's; results go "
+                         "to corun_interference_h<hidden>_l<layers>")
+    ap.add_argument("--layers", type=int, default=None, help="likewise, its layers")
     args = ap.parse_args(argv)
+    from rlhf_fusion.loop.demo_grpo import grpo_demo_config
+
+    demo = grpo_demo_config().models.actor
+    model = {"hidden": args.hidden or demo["hidden"], "layers": args.layers or demo["layers"]}
+    name = ("corun_interference" if model == {k: demo[k] for k in model}
+            else f"corun_interference_h{model['hidden']}_l{model['layers']}")
     rows = []
     for a_work, batch, b_work in CASES:
-        r = run_case(a_work, batch, b_work, args.seconds, args.slot_ms / 1e3)
+        r = run_case(a_work, batch, b_work, args.seconds, args.slot_ms / 1e3, model)
         rows.append(r)
         what = (f"decode step, {batch} samples" if a_work == "decode"
                 else f"scoring call, {batch} samples")
@@ -178,15 +191,15 @@ def main(argv: list[str] | None = None) -> int:
               f"{r['n_busy']}/{r['n_idle']}"] for r in rows]
     command = " ".join(["python benchmarks/corun_interference.py",
                         *(argv if argv is not None else sys.argv[1:])])
-    write_results("corun_interference",
+    write_results(name,
                   {"command": command, "seconds": args.seconds, "slot_ms": args.slot_ms,
-                   "cores": os.cpu_count(), "rows": rows},
+                   "cores": os.cpu_count(), "model": model, "rows": rows},
                   [("A's call beside B's work and beside B's sleep (medians, ms)",
                     ["A runs", "B", "B works", "B sleeps", "slowdown", "calls"], table)],
                   ["Paired by 50 ms slots of wall clock (B works in one, sleeps in the next), "
                    "so drift cancels; one thread per process (OMP_NUM_THREADS=1). The demo's "
                    "Actor (decode, no stop token) and Ref (scoring micro-batches of 4, "
-                   "float64)."])
+                   f"float64), Llama, hidden {model['hidden']}, {model['layers']} layers."])
     return 0
 
 

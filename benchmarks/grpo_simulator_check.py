@@ -135,6 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rt", default=None,
                    help="the fused worker's R_t (a fraction of the batch, or auto) instead of "
                         "the demo's; results go to grpo_simulator_check_rt<R_t>")
+    p.add_argument("--hidden", type=int, default=None,
+                   help="the demo workload's Actor (and Ref) hidden size instead of the demo's; "
+                        "results go to grpo_simulator_check_h<hidden>_l<layers>")
+    p.add_argument("--layers", type=int, default=None, help="likewise, its layers")
     args = p.parse_args(argv)
     from rlhf_fusion.launch import run_ranks
     from rlhf_fusion.loop.arithmetic import arithmetic_prompts
@@ -149,6 +153,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         cfgs, prompts = grpo_interleaved.tail_workload(args.iterations)
         name += "_tail"
+    if args.hidden or args.layers:
+        if args.workload != "demo":
+            raise SystemExit("--hidden/--layers change the demo workload's model only")
+        for c in cfgs.values():
+            c.models.actor.update({k: v for k, v in (("hidden", args.hidden),
+                                                     ("layers", args.layers)) if v})
+        name += "_h{hidden}_l{layers}".format(**cfgs["fused"].models.actor)
     cfgs["serial"].fusion.balance_scoring = args.baseline == "balanced"
     if args.baseline == "static":
         name += "_static"
