@@ -649,19 +649,21 @@ class _Incoming:
         self.r, self.backend, self.board = r, backend, board
         self.pending = list(sources)
 
+    def _path(self, src: int) -> str:
+        return self.board.mailbox(f"m{self.board.seq}.{src}.{self.r.rank}")
+
     def wait(self, seconds: float) -> None:
         """Wait up to ``seconds`` for every pending file (a peer's death shows as a timeout
         here; :meth:`poll` then notices it)."""
         end = time.perf_counter() + seconds
-        paths = [self.board.mailbox(f"m{self.board.seq}.{src}.{self.r.rank}")
-                 for src in self.pending]
+        paths = [self._path(src) for src in self.pending]
         while time.perf_counter() < end and not all(os.path.exists(p) for p in paths):
             time.sleep(2e-5)
 
     def poll(self, block: bool = False) -> None:
         r, board = self.r, self.board
         for src in list(self.pending):
-            path = board.mailbox(f"m{board.seq}.{src}.{r.rank}")
+            path = self._path(src)
             if block:
                 _await_file(r, board, path, src,
                             f"receiving migrated samples from source rank {src}")

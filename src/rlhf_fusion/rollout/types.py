@@ -132,9 +132,9 @@ class SampleSpec:
         return self._replace(kv=None)
 
 
-
 _SPEC_DEFAULTS = {f.name: f.default for f in fields(SampleSpec)
                   if f.default is not MISSING}
+
 
 @dataclass(frozen=True)
 class SampleResult:
