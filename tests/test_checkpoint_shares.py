@@ -66,7 +66,7 @@ class _Worker:
         self.rank, self.world, self.iteration_index = rank, world, 3
         self.rt_planner = SimpleNamespace(dist=None, by_batch={}, scoring=[], current=None,
                                           history=[], prompt_len=None, prefills=[], sweeps=0,
-                                          _interval=1, _skip=0)
+                                          _interval=1, _skip=0, rollout_s=None)
 
     def training_modules(self) -> dict:
         return {"actor": self.module}

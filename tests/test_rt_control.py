@@ -118,3 +118,34 @@ def test_a_checkpoint_keeps_the_sweep_schedule_and_the_prefill_fit():
     assert q.prefills == p.prefills and q.cluster() == p.cluster()
     assert [q.rt() for _ in range(6)] == [p.rt() for _ in range(6)]
     assert q.sweeps == p.sweeps == 4
+
+
+def test_sweeps_cost_at_most_their_budget_of_the_rollout_time(monkeypatch):
+    """A sweep is on the rollout's critical path: with a rollout time observed, the iterations
+    between sweeps grow until the sweeps take at most SWEEP_BUDGET of the rollouts' time
+    (capped at SWEEP_INTERVAL_MAX), whatever the doubling rule says."""
+    from rlhf_fusion.rollout import rt_control
+
+    steps = [(b, 0.002 + 0.0001 * b) for b in (1, 2, 4, 8, 16, 24)] * 3
+
+    def planner(sweep_s: float, rollout_s: float | None) -> list[int]:
+        clock = iter(x * sweep_s for x in range(10_000))   # every sweep takes sweep_s
+        monkeypatch.setattr(rt_control, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
+        p = RtPlanner(48, 2, bs_max=64)
+        p.observe([10] * 40 + [250] * 8, SimpleNamespace(steps=steps), [(1000, 0.02)] * 4,
+                  prompt_len=10, rollout_s=rollout_s)
+        swept_at = []
+        for i in range(140):
+            before = p.sweeps
+            assert p.rt() > 0
+            if p.sweeps > before:
+                swept_at.append(i)
+        return swept_at
+
+    # 50 ms sweeps against 100 ms rollouts: one sweep per 25 rollouts is 2% of their time.
+    assert rt_control.SWEEP_BUDGET == 0.02
+    assert planner(0.05, 0.1) == [0, 25, 50, 75, 100, 125]
+    # a sweep that costs more than SWEEP_INTERVAL_MAX rollouts' budget: once per the cap
+    assert planner(1.0, 0.1) == [0, 64, 128]
+    # cheap sweeps, or no rollout time reported: the doubling rule alone
+    assert planner(1e-6, 10.0)[:6] == planner(0.05, None)[:6] == [0, 1, 3, 7, 15, 23]

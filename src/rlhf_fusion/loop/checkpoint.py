@@ -55,7 +55,8 @@ def worker_state(worker: Any, history: list[dict[str, float]]) -> dict[str, Any]
                        "scoring": planner.scoring, "current": planner.current,
                        "history": planner.history, "prompt_len": planner.prompt_len,
                        "prefills": [list(x) for x in planner.prefills],
-                       "sweeps": [planner.sweeps, planner._interval, planner._skip]},
+                       "sweeps": [planner.sweeps, planner._interval, planner._skip],
+                       "rollout_s": planner.rollout_s},
         # the KL coefficient an adaptive controller has reached (fixed: the configured one)
         "kl_ctrl": kl.state_dict() if kl is not None else None,
         "history": history,
@@ -95,6 +96,7 @@ def load_worker_state(worker: Any, ck: dict[str, Any], where: str = "checkpoint"
     # (older checkpoints: no prefill fit, and a sweep at the first iteration)
     planner.prefills = [tuple(x) for x in st.get("prefills", [])]
     planner.sweeps, planner._interval, planner._skip = st.get("sweeps", (0, 1, 0))
+    planner.rollout_s = st.get("rollout_s")   # (older checkpoints: no sweep budget yet)
     if ck.get("kl_ctrl") is not None:   # (older checkpoints: the configured coefficient)
         worker.kl.load_state_dict(ck["kl_ctrl"])
     worker.iteration_index = ck["iteration"]

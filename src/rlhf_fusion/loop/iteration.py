@@ -644,7 +644,8 @@ class PPOWorker:
         self.kl.update(metrics["objective/kl_per_token"], len(exps))
         lengths = [len(e.response_ids) for e in exps]
         self.rt_planner.observe(lengths, self.backend, self._scoring,
-                                prompt_len=sum(len(p) for p in prompts) / max(len(prompts), 1))
+                                prompt_len=sum(len(p) for p in prompts) / max(len(prompts), 1),
+                                rollout_s=t2 - t1)
         bound = self.simulated_speedup(lengths, stats.get("rt"))
         if bound is not None:
             metrics["fusion/simulated_speedup"] = bound

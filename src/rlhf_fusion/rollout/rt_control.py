@@ -8,11 +8,14 @@ instance costs (fitted to every decode step timed so far, and to the scoring of 
 little; the decode fit uses per-batch-size medians, and
 the choice keeps the previous R_t while it is within ``STICKY`` of the best, so the chosen
 R_t settles instead of wandering with timing noise. Rank 0 decides and broadcasts: every rank
-must trigger on the same R_t.
+must trigger on the same R_t. A sweep runs on the rollout's critical path, so sweeps come
+rarer while they keep the same choice, and never cost more than ``SWEEP_BUDGET`` of the
+rollout time.
 """
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from collections import defaultdict
@@ -48,6 +51,16 @@ REFINE_WEIGHT = 0.5
 # sweep keeps choosing the R_t already in use, the iterations between sweeps double, up to
 # this many; a sweep that moves R_t sets them back to one.
 REPLAN_MAX = 8
+# ... and however often it keeps choosing, a sweep runs at most once per this share of the
+# rollout time it plans for: on a small batch of short completions (the GRPO demo on 2 CPU
+# cores) a sweep of 128 samples took 80-110 ms against rollouts of 70-250 ms, and at every
+# REPLAN_MAX-th iteration it cost `rt: auto` 11% of its rollout time (0.95x the serial rollout
+# where R_t fixed at the sweep's own choice gave 1.10x; session 52, the analysis). Rank
+# ``src`` times its sweep and sends the interval it implies with its choice, so every rank
+# skips the same iterations.
+SWEEP_BUDGET = 0.02
+# A cap on that interval: a run whose lengths change still gets a sweep now and then.
+SWEEP_INTERVAL_MAX = 64
 
 
 class TimedBackend:
@@ -135,6 +148,9 @@ class RtPlanner:
         # (tokens scored, seconds) per observed batch, the last SCORING_WINDOW of them
         self.scoring: list[tuple[int, float]] = []
         self.prompt_len = 0
+        # the last observed rollout's seconds (generation + scoring), what a sweep's cost is
+        # weighed against (SWEEP_BUDGET); None until a caller reports one
+        self.rollout_s: float | None = None
         self.current: int | None = None
         self.history: list[int] = []
         self.sweeps = 0          # simulated decisions so far
@@ -142,7 +158,12 @@ class RtPlanner:
         self._skip = 0           # iterations left before the next sweep
 
     def observe(self, lengths: Sequence[int], backend: TimedBackend,
-                scoring: Sequence[tuple[int, float]] = (), prompt_len: float = 0.0) -> None:
+                scoring: Sequence[tuple[int, float]] = (), prompt_len: float = 0.0,
+                rollout_s: float | None = None) -> None:
+        """One rollout's lengths, timed decode steps and scoring calls; ``rollout_s``: its
+        seconds, which keep the sweeps within ``SWEEP_BUDGET`` of the rollout time."""
+        if rollout_s is not None and rollout_s > 0:
+            self.rollout_s = float(rollout_s)
         lengths = [max(1, int(x)) for x in lengths]
         if lengths:
             self.dist = (LengthDistribution(lengths) if self.dist is None
@@ -205,18 +226,31 @@ class RtPlanner:
                 best = self.current
         return best
 
+    def _budget_interval(self, sweep_s: float) -> int:
+        """The iterations from this sweep to the next that keep the sweeps' time within
+        ``SWEEP_BUDGET`` of the rollouts' (1 until a rollout time has been observed)."""
+        if not self.rollout_s:
+            return 1
+        # (less a hair: a quotient of whole multiples must not round up past its value)
+        return max(1, min(math.ceil(sweep_s / (SWEEP_BUDGET * self.rollout_s) - 1e-9),
+                          SWEEP_INTERVAL_MAX))
+
     def rt(self) -> int:
         """R_t for the next rollout, 0 for no migration (the serial rollout); collective when
-        distributed and simulated (rank ``src`` decides). Between sweeps (``REPLAN_MAX``)
-        every rank keeps the R_t in use without a round trip: each has observed the same
-        lengths, so each counts the same iterations."""
+        distributed and simulated (rank ``src`` decides). Between sweeps (``REPLAN_MAX``, or
+        more where a sweep would take over ``SWEEP_BUDGET`` of the rollout time) every rank
+        keeps the R_t in use without a round trip: rank ``src`` sends the interval with its
+        choice, so each counts the same iterations."""
         if self.fixed is None and self._skip > 0 and self.current is not None:
             self._skip -= 1
             self.history.append(self.current)
             return self.current
         swept = self.fixed is None and self.dist is not None
-        box = [self._decide() if not dist.is_initialized() or dist.get_rank() == self.src
-               or self.fixed is not None else None]
+        box: list[Any] = [None, 1]
+        if not dist.is_initialized() or dist.get_rank() == self.src or self.fixed is not None:
+            t = time.perf_counter()
+            box[0] = self._decide()
+            box[1] = self._budget_interval(time.perf_counter() - t) if swept else 1
         if dist.is_initialized() and self.fixed is None:
             # Only a simulated R_t needs rank src's decision (the others observed other
             # timings); a fixed one is the same config on every rank, so no round trip.
@@ -224,7 +258,8 @@ class RtPlanner:
         value = int(box[0])
         if swept:
             same = value == self.current
-            self._interval = min(2 * self._interval, REPLAN_MAX) if same else 1
+            self._interval = max(min(2 * self._interval, REPLAN_MAX) if same else 1,
+                                 int(box[1]))
             self._skip = self._interval - 1
         self.current = value
         self.history.append(self.current)
