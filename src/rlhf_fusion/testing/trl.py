@@ -204,6 +204,7 @@ def script_planner(planner: Any, kind: str) -> None:
     planner.dist = None
     planner.by_batch.clear()
     planner.scoring.clear()
+    planner.rollout_s = None   # no sweep budget: the script sweeps at every batch
     planner.observe(RT_SCRIPT_LENGTHS[kind], SimpleNamespace(steps=RT_SCRIPT_STEPS),
                     [(1000, 0.1)] * 4, prompt_len=10)
 

@@ -16,6 +16,7 @@ lengths and decode-step timings seen in earlier rollouts, refined after every ro
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING, Any
 
 from ...rollout.config import RolloutConfig
@@ -51,11 +52,12 @@ class RtChooser:
         return self.planner.rt()
 
     def observe(self, results: Any, backend: Any, scoring: Any = (),
-                prompt_len: float = 0.0) -> None:
-        """Lengths of this rollout and the decode steps ``backend`` (a TimedBackend) timed."""
+                prompt_len: float = 0.0, rollout_s: float | None = None) -> None:
+        """Lengths of this rollout and the decode steps ``backend`` (a TimedBackend) timed;
+        ``rollout_s``: its seconds (the planner's sweeps stay within a share of them)."""
         if self.planner is not None:
             self.planner.observe([len(r.token_ids) for r in results], backend, scoring,
-                                 prompt_len=prompt_len)
+                                 prompt_len=prompt_len, rollout_s=rollout_s)
 
 
 def migrating_rollout(chooser: RtChooser, backend: Any, scorer: Any, specs: list[Any],
@@ -67,12 +69,14 @@ def migrating_rollout(chooser: RtChooser, backend: Any, scorer: Any, specs: list
 
     timed = TimedBackend(backend)
     rt = chooser.rt(len(specs)) if rt is None else rt
+    start = time.perf_counter()
     out = run_rollout(timed, scorer, specs,
                       RolloutConfig(fused=True, rt=rt, mechanism=fusion.mechanism,
                                     report_every=4),
                       bs_max=fusion.max_batch_size)
     chooser.observe(out.results, timed, getattr(scorer, "calls", ()),
-                    prompt_len=sum(len(s.prompt_ids) for s in specs) / max(1, len(specs)))
+                    prompt_len=sum(len(s.prompt_ids) for s in specs) / max(1, len(specs)),
+                    rollout_s=time.perf_counter() - start)
     return out, rt
 
 
