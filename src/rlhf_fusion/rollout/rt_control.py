@@ -54,7 +54,7 @@ REPLAN_MAX = 8
 # ... and however often it keeps choosing, a sweep runs at most once per this share of the
 # rollout time it plans for: on a small batch of short completions (the GRPO demo on 2 CPU
 # cores) a sweep of 128 samples took 80-110 ms against rollouts of 70-250 ms, and at every
-# REPLAN_MAX-th iteration it cost `rt: auto` 11% of its rollout time (0.95x the serial rollout
+# REPLAN_MAX-th iteration it cost `rt: auto` 13% of its rollout time (0.95x the serial rollout
 # where R_t fixed at the sweep's own choice gave 1.10x; session 52, the analysis). Rank
 # ``src`` times its sweep and sends the interval it implies with its choice, so every rank
 # skips the same iterations.
