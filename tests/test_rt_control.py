@@ -140,6 +140,8 @@ def test_sweeps_cost_at_most_their_budget_of_the_rollout_time(monkeypatch):
             assert p.rt() > 0
             if p.sweeps > before:
                 swept_at.append(i)
+            # what the loop logs as time/rt_sweep: the sweep's seconds, 0 between sweeps
+            assert p.last_sweep_s == pytest.approx(sweep_s if p.sweeps > before else 0.0)
         return swept_at
 
     # 50 ms sweeps against 100 ms rollouts: one sweep per 25 rollouts is 2% of their time.

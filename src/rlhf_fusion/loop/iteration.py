@@ -660,6 +660,8 @@ class PPOWorker:
             "time/generation": gen_s,
             "time/inference": max(rollout_s - (inf_start or gen_s), 0.0),
             "time/rollout": rollout_s,
+            # (inside time/rollout: rank 0's R_t sweep, which every rank waits for; 0 between)
+            "time/rt_sweep": self.rt_planner.last_sweep_s,
             "time/advantages": t3 - t2,
             "time/training": t4 - t3,
             "time/iteration": t4 - t0,

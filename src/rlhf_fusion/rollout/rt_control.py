@@ -151,6 +151,9 @@ class RtPlanner:
         # the last observed rollout's seconds (generation + scoring), what a sweep's cost is
         # weighed against (SWEEP_BUDGET); None until a caller reports one
         self.rollout_s: float | None = None
+        # seconds this rank spent in the last rt()'s sweep (0: no sweep here), the loop's
+        # time/rt_sweep
+        self.last_sweep_s = 0.0
         self.current: int | None = None
         self.history: list[int] = []
         self.sweeps = 0          # simulated decisions so far
@@ -242,15 +245,19 @@ class RtPlanner:
         keeps the R_t in use without a round trip: rank ``src`` sends the interval with its
         choice, so each counts the same iterations."""
         if self.fixed is None and self._skip > 0 and self.current is not None:
+            self.last_sweep_s = 0.0
             self._skip -= 1
             self.history.append(self.current)
             return self.current
         swept = self.fixed is None and self.dist is not None
         box: list[Any] = [None, 1]
+        self.last_sweep_s = 0.0
         if not dist.is_initialized() or dist.get_rank() == self.src or self.fixed is not None:
             t = time.perf_counter()
             box[0] = self._decide()
-            box[1] = self._budget_interval(time.perf_counter() - t) if swept else 1
+            if swept:
+                self.last_sweep_s = time.perf_counter() - t
+                box[1] = self._budget_interval(self.last_sweep_s)
         if dist.is_initialized() and self.fixed is None:
             # Only a simulated R_t needs rank src's decision (the others observed other
             # timings); a fixed one is the same config on every rank, so no round trip.
