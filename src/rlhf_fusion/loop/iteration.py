@@ -643,9 +643,10 @@ class PPOWorker:
         # verl's apply_kl_penalty: the KL per token, averaged per response, then over the batch
         self.kl.update(metrics["objective/kl_per_token"], len(exps))
         lengths = [len(e.response_ids) for e in exps]
+        rollout_s = t2 - t1
         self.rt_planner.observe(lengths, self.backend, self._scoring,
                                 prompt_len=sum(len(p) for p in prompts) / max(len(prompts), 1),
-                                rollout_s=t2 - t1)
+                                rollout_s=rollout_s)
         bound = self.simulated_speedup(lengths, stats.get("rt"))
         if bound is not None:
             metrics["fusion/simulated_speedup"] = bound
@@ -653,7 +654,6 @@ class PPOWorker:
         busy = self.busy_metrics(t2 - t1, t4 - t3)   # a collective too
         gen_end = _max_stat(stats, "generation_end_s")
         inf_start = _min_stat(stats, "inference_start_s")
-        rollout_s = t2 - t1
         gen_s = gen_end if gen_end is not None else rollout_s
         metrics.update({
             "time/weight_sync": t1 - t0,

@@ -244,14 +244,13 @@ class RtPlanner:
         more where a sweep would take over ``SWEEP_BUDGET`` of the rollout time) every rank
         keeps the R_t in use without a round trip: rank ``src`` sends the interval with its
         choice, so each counts the same iterations."""
+        self.last_sweep_s = 0.0
         if self.fixed is None and self._skip > 0 and self.current is not None:
-            self.last_sweep_s = 0.0
             self._skip -= 1
             self.history.append(self.current)
             return self.current
         swept = self.fixed is None and self.dist is not None
         box: list[Any] = [None, 1]
-        self.last_sweep_s = 0.0
         if not dist.is_initialized() or dist.get_rank() == self.src or self.fixed is not None:
             t = time.perf_counter()
             box[0] = self._decide()
