@@ -59,6 +59,34 @@ def test_two_ranks_fused_equals_serial_for_both_mechanisms():
         assert ranks[freed]["inference_start_s"] < ranks[dest[0]]["generation_end_s"]
 
 
+def test_three_ranks_on_one_host_plan_from_the_trigger_or_from_reports():
+    """One destination (m = 1): the roles come with the trigger and no rank reports its
+    progress; two destinations (m = 2): the reports are exchanged and ``assign_migration``
+    balances the tail between them. Both equal the serial rollout, every migrated sample is
+    flagged, and every rank says the same about what moved."""
+    configs = [RolloutConfig(fused=False), RolloutConfig(rt=6, mechanism="kv"),
+               RolloutConfig(rt=8, m=2, mechanism="kv")]
+    out = [r.value for r in run_ranks(tiny_job_worker, 3, job(configs), collective_timeout=60)]
+    serial = out[0][0]["output"]
+    for k, m in ((1, 1), (2, 2)):
+        fused = out[0][k]["output"]
+        ranks = fused.stats["ranks"]
+        assert {st["board"] for st in ranks} == {"shared"}
+        assert all(("reports_s" in st) == (m == 2) for st in ranks), ranks
+        assert all(len(st["destinations"]) == m for st in ranks)
+        moved = ranks[0]["moved"]
+        assert moved and all(st["moved"] == moved for st in ranks)
+        assert fused.assignment is not None and fused.assignment.moved_ids == moved
+        assert all(r.migrated == (r.sample_id in moved) for r in fused.results)
+        for other in out[1:]:   # every rank returns the same plan
+            assert all(st["moved"] == moved for st in other[k]["stats"]["ranks"])
+        assert [e.sample_id for e in fused.experiences] == list(range(16))
+        for a, b in zip(serial.experiences, fused.experiences, strict=True):
+            assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+            assert torch.max(torch.abs(a.ref_logprobs - b.ref_logprobs)).item() < 1e-9
+            assert abs(a.reward - b.reward) < 1e-9
+
+
 def test_tickets_too_large_for_dev_shm_go_over_gloo_on_one_host():
     """A KV cache can outgrow /dev/shm (64 MB in a Docker container): its tickets go over
     gloo, announced by a header-only file, and the rollout still equals the serial one."""

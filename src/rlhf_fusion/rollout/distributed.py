@@ -7,9 +7,10 @@ Critic models. Timeline of ``run_rollout`` on every rank, fused mode:
    without waiting for the others (a collective here would lock every rank to the slowest
    one's step rate). The first rank that sees at most R_t unfinished samples in total sets
    the trigger; every rank checks it.
-2. **Plan.** Every rank's progress reaches every rank; each computes the same
-   ``assign_migration`` plan: the m ranks with most samples left are the destinations, the
-   rest are freed.
+2. **Plan.** The m ranks with most samples left are the destinations, the rest are freed.
+   With one destination on one host the trigger carries the counts it was set on and every
+   rank reads its role from them (:func:`_roles_at_trigger`); otherwise every rank's progress
+   reaches every rank and each computes the same ``assign_migration`` plan.
 3. **Migrate.** Sources export their unfinished samples ("kv" or "tokens") and send the
    tickets; destinations import them and acknowledge. A source waits for the acknowledgement
    only after it has scored its own finished samples, and raises ``MigrationError`` naming a
@@ -25,11 +26,11 @@ Critic models. Timeline of ``run_rollout`` on every rank, fused mode:
 
 Two transports carry steps 1-4. When every rank of the group runs on one host, the group's
 shared board (:mod:`.board`, set up by its first rollout) holds the counts, heartbeats,
-pids and the trigger, written and read after every decode step, and the progress reports,
-tickets, stream chunks and the final exchange are files beside it in ``/dev/shm`` (written
-whole, renamed into place; a consumer claims a chunk by renaming it): no collective at the
-start, no gloo round trip or store request on the way, which on a short rollout cost more
-than fusion gains (``benchmarks/results/grpo_demo_compare_analysis.md``). Across hosts the
+pids and the trigger, written and read after every decode step, and the trigger's counts,
+the progress reports, tickets, stream chunks and the final exchange are files beside it in
+``/dev/shm`` (written whole, renamed into place; a consumer claims a chunk by renaming it):
+no collective at the start, no gloo round trip or store request on the way, which on a
+short rollout cost more than fusion gains (``benchmarks/results/grpo_demo_compare_analysis.md``). Across hosts the
 c10d store carries the counts (every ``report_every`` steps), heartbeats and stream queue,
 gloo the progress (one all-gather), the tickets (point-to-point) and the final exchange.
 Each rank's stats say which (``board``).
@@ -66,7 +67,12 @@ from .config import RolloutConfig, check_rollout
 from .experience_wire import pack_batch, unpack_batch
 from .inference import Experience, InferenceModels
 from .local import RolloutOutput, assemble, moving, resolve_mode, shard_of, should_trigger
-from .planning.planner import MigrationAssignment, assign_migration, choose_mechanism
+from .planning.planner import (
+    MigrationAssignment,
+    assign_migration,
+    choose_destinations,
+    choose_mechanism,
+)
 from .types import (
     CoordinatorTimeout,
     MigrationError,
@@ -238,6 +244,9 @@ def run_rollout(
                              "board": "store" if board is None else "shared"}
     done: list[SampleResult] = []
     assignment: MigrationAssignment | None = None
+    # One destination on one host: the roles come with the trigger (the counts it was set
+    # on), and no progress reports are exchanged (_roles_at_trigger).
+    roles = migrates and board is not None and m == 1
     if not migrates:
         note_stage("generation", 1)
         while backend.unfinished():
@@ -270,24 +279,38 @@ def run_rollout(
         # On one host nothing below goes through the store: an error there is not a lost one.
         with (r.store_errors("generating until the trigger") if board is None
               else contextlib.nullcontext()):
-            _generate_until_trigger(r, backend, rt, done, board)
+            _generate_until_trigger(r, backend, rt, done, board, roles)
         stats["trigger_s"] = time.perf_counter() - t0
         note_stage("migration", 1)
-        rows = [(p.sample_id, p.prompt_len, p.generated, p.max_new_tokens)
-                for p in backend.progress()]
-        if board is not None:
-            reports = _exchange_reports(r, board, rows, backend, done)
+        if roles:
+            assert board is not None
+            assignment = _roles_at_trigger(r, backend, board)
+            if config.mechanism == "auto":
+                # (latency 0: the rule compares per-token costs, so any positive count gives
+                # the answer the sources' own counts would, on every rank alike)
+                mechanism = _auto_mechanism(1, backend, config, kv_ok)
         else:
-            # At the trigger a rank holds at most its own shard (nothing has migrated yet).
-            reports = r.gather_rows(rows, 4, max(shards), "progress reports at the trigger")
-        stats["reports_s"] = time.perf_counter() - t0
-        progress = {i: moving(SampleProgress(*x) for x in rep) for i, rep in enumerate(reports)}
-        assignment = assign_migration(progress, m, bs_max=bs_max,
-                                      kv_capacity_tokens=config.kv_capacity_tokens)
-        if config.mechanism == "auto":
-            mechanism = _auto_mechanism(assignment, progress, backend, config, kv_ok)
-        stats.update(destinations=assignment.destinations, moved=assignment.moved_ids,
-                     mechanism=mechanism, plan_s=time.perf_counter() - t0)
+            rows = [(p.sample_id, p.prompt_len, p.generated, p.max_new_tokens)
+                    for p in backend.progress()]
+            if board is not None:
+                reports = _exchange_reports(r, board, rows, backend, done)
+            else:
+                # At the trigger a rank holds at most its own shard (nothing has migrated yet).
+                reports = r.gather_rows(rows, 4, max(shards), "progress reports at the trigger")
+            stats["reports_s"] = time.perf_counter() - t0
+            progress = {i: moving(SampleProgress(*x) for x in rep)
+                        for i, rep in enumerate(reports)}
+            assignment = assign_migration(progress, m, bs_max=bs_max,
+                                          kv_capacity_tokens=config.kv_capacity_tokens)
+            if config.mechanism == "auto":
+                kv_tokens = {s.sample_id: s.kv_tokens for ss in progress.values() for s in ss}
+                mechanism = _auto_mechanism(
+                    max((sum(kv_tokens[i] for ids in assignment.incoming(d).values()
+                             for i in ids) for d in assignment.destinations), default=0),
+                    backend, config, kv_ok)
+            stats["moved"] = assignment.moved_ids
+        stats.update(destinations=assignment.destinations, mechanism=mechanism,
+                     plan_s=time.perf_counter() - t0)
         incoming: _Incoming | None = None
         if board is None:
             settle = _migrate(r, backend, assignment, mechanism)
@@ -313,6 +336,14 @@ def run_rollout(
             else _board_gather(r, board, msg, "the experience batch"))
     gathered = [(results, exps, stats) if k == r.rank else (*unpack_batch(pb), st)
                 for k, (pb, st) in enumerate(wire)]
+    if roles and assignment is not None:
+        # Roles at the trigger: each source said what it sent, now every rank knows.
+        assignment = MigrationAssignment(
+            assignment.destinations, assignment.freed,
+            {g[2]["rank"]: {d: g[2]["sent"][d] for d in sorted(g[2]["sent"])}
+             for g in gathered if g[2].get("sent")})
+        for g in gathered:
+            g[2]["moved"] = assignment.moved_ids
     all_results = assemble((x for g in gathered for x in g[0]), ids, "results")
     all_exps = (assemble((x for g in gathered for x in g[1]), ids, "experience batch")
                 if inference is not None else None)
@@ -320,6 +351,8 @@ def run_rollout(
     if board is not None:   # every rank has read this rank's progress report
         with contextlib.suppress(FileNotFoundError):
             os.unlink(board.mailbox(f"r{board.seq}.{r.rank}"))
+        if r.rank == 0:     # and the counts of the trigger
+            board.remove_trigger_counts()
     if r.rank == 0:
         for k in list(r._keys):
             try:
@@ -331,12 +364,10 @@ def run_rollout(
                           "seconds": time.perf_counter() - t0})
 
 
-def _auto_mechanism(plan: MigrationAssignment, progress: dict[int, list[Any]],
-                    backend: GenerationBackend, config: RolloutConfig, kv_ok: bool) -> str:
-    """The planner rule on the heaviest destination: KV transfer vs re-prefill time."""
-    kv_tokens = {s.sample_id: s.kv_tokens for ss in progress.values() for s in ss}
-    tokens_in = max((sum(kv_tokens[i] for ids in plan.incoming(d).values() for i in ids)
-                     for d in plan.destinations), default=0)
+def _auto_mechanism(tokens_in: float, backend: GenerationBackend, config: RolloutConfig,
+                    kv_ok: bool) -> str:
+    """The planner rule on the heaviest destination's ``tokens_in``: KV transfer vs re-prefill
+    time."""
     mode, _ = choose_mechanism(
         tokens_in, kv_bytes_per_token=float(getattr(backend, "kv_bytes_per_token", 0.0)),
         bandwidth_bytes_s=config.bandwidth_bytes_s, latency_s=0.0,
@@ -387,15 +418,17 @@ def _shared_board(r: _Rank) -> SharedBoard | None:
 
 
 def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
-                            done: list[SampleResult], board: SharedBoard | None) -> None:
+                            done: list[SampleResult], board: SharedBoard | None,
+                            roles: bool = False) -> None:
     """Decode until at most ``rt`` samples are left over all ranks. Every rank heartbeats
     while it waits here, and a peer whose heartbeat stops for ``timeout_s`` ends the wait with
     an error naming it: the trigger is set by whichever rank sees the total first, so without
     it a dead peer's count would hold every other rank here forever. On one host through the
-    group's shared ``board`` (:mod:`.board`: no collective at the start), else the store."""
+    group's shared ``board`` (:mod:`.board`: no collective at the start; with ``roles``, the
+    trigger carries the counts it was set on), else the store."""
     if board is not None:
         note_stage("generation until the migration trigger", 1)
-        _until_trigger_shared(r, backend, rt, done, board)
+        _until_trigger_shared(r, backend, rt, done, board, roles)
         return
     store = r.store
     published = len(backend.unfinished())
@@ -407,7 +440,7 @@ def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
 
 
 def _until_trigger_shared(r: _Rank, backend: GenerationBackend, rt: int,
-                          done: list[SampleResult], board: SharedBoard) -> None:
+                          done: list[SampleResult], board: SharedBoard, roles: bool) -> None:
     """The one-host board: publish and check after every decode step (memory accesses)."""
     start, hb = time.perf_counter(), board.heartbeats()
     beats = {i: (hb[i], start) for i in range(r.world) if i != r.rank}
@@ -425,13 +458,44 @@ def _until_trigger_shared(r: _Rank, backend: GenerationBackend, rt: int,
         board.publish(left)
         if board.trigger() != NO_TRIGGER:
             return
-        if should_trigger(board.total(), rt):
-            board.set_trigger()
+        counts = board.counts()
+        if should_trigger(sum(counts), rt):
+            if roles:
+                board.claim_trigger(counts)
+            else:
+                board.set_trigger()
             return
         now = time.perf_counter()
         if now >= next_check:
             _check_alive(r, beats, board.heartbeats(), now)
             next_check = now + HEARTBEAT_CHECK_S
+
+
+def _roles_at_trigger(r: _Rank, backend: GenerationBackend, board: SharedBoard
+                      ) -> MigrationAssignment:
+    """This rank's part of a one-destination plan, from the counts the trigger was claimed on
+    (:meth:`.SharedBoard.claim_trigger`): the rank with most samples left is the destination
+    (``choose_destinations``, as ``assign_migration`` picks it), and every other rank with
+    samples left sends all its unfinished samples there. Nothing else is needed: with one
+    destination there is nothing to balance, and m = ceil(R_t·M/C) = 1 means it holds any
+    R_t samples. So a source exports as soon as it sees the trigger, and the destination
+    expects their tickets at once. The progress reports' exchange kept the migrated samples
+    out of a whole decode step of the destination's: the rank that saw the trigger first
+    stepped until its peer's report was there, and the import came 6-16 ms after the trigger
+    on the demo's CPU where tickets now come 1-2 ms after it. A source whose samples all
+    finished meanwhile sends an empty file, acknowledged as any other. Each source's stats
+    say what it sent (``sent``); the final exchange tells every rank."""
+    counts = board.trigger_counts()
+    if counts is None:
+        raise CoordinatorTimeout(f"rank {r.rank}: the migration trigger is set without the "
+                                 "counts it was set on; every rank of a rollout must run the "
+                                 "same rlhf-fusion version")
+    dests = choose_destinations(dict(enumerate(counts)), 1)
+    sources = [i for i, n in enumerate(counts) if n > 0 and i not in dests]
+    ids = backend.unfinished() if r.rank in sources else []
+    return MigrationAssignment(
+        destinations=dests, freed=[i for i in range(r.world) if i not in dests],
+        moves={s: {d: list(ids) if s == r.rank else [] for d in dests} for s in sources})
 
 
 def _step(r: _Rank, backend: GenerationBackend, done: list[SampleResult]) -> None:
@@ -587,6 +651,7 @@ def _migrate_shared(r: _Rank, backend: GenerationBackend, plan: MigrationAssignm
     sends = []
     for dst, ids in sorted(plan.moves.get(r.rank, {}).items()):
         tickets = backend.export_samples(ids, mode=mechanism)  # type: ignore[arg-type]
+        stats.setdefault("sent", {})[dst] = [t.sample_id for t in tickets]
         ints, floats = pack_tickets(tickets)
         path = board.mailbox(f"m{board.seq}.{r.rank}.{dst}")
         kind = _IN_FILE if _fits_in_shm(path, 8 * (4 + ints.numel() + floats.numel())) \
