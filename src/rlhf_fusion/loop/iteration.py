@@ -651,7 +651,7 @@ class PPOWorker:
         if bound is not None:
             metrics["fusion/simulated_speedup"] = bound
         offload = self.offload_metrics()   # a collective: every rank, in this order
-        busy = self.busy_metrics(t2 - t1, t4 - t3)   # a collective too
+        busy = self.busy_metrics(rollout_s, t4 - t3)   # a collective too
         gen_end = _max_stat(stats, "generation_end_s")
         inf_start = _min_stat(stats, "inference_start_s")
         gen_s = gen_end if gen_end is not None else rollout_s

@@ -30,9 +30,10 @@ pids and the trigger, written and read after every decode step, and the trigger'
 the progress reports, tickets, stream chunks and the final exchange are files beside it in
 ``/dev/shm`` (written whole, renamed into place; a consumer claims a chunk by renaming it):
 no collective at the start, no gloo round trip or store request on the way, which on a
-short rollout cost more than fusion gains (``benchmarks/results/grpo_demo_compare_analysis.md``). Across hosts the
-c10d store carries the counts (every ``report_every`` steps), heartbeats and stream queue,
-gloo the progress (one all-gather), the tickets (point-to-point) and the final exchange.
+short rollout cost more than fusion gains
+(``benchmarks/results/grpo_demo_compare_analysis.md``). Across hosts the c10d store carries
+the counts (every ``report_every`` steps), heartbeats and stream queue, gloo the progress
+(one all-gather), the tickets (point-to-point) and the final exchange.
 Each rank's stats say which (``board``).
 
 Serial mode: generate the shard, wait for every rank to finish (inference cannot start before
@@ -340,8 +341,7 @@ def run_rollout(
         # Roles at the trigger: each source said what it sent, now every rank knows.
         assignment = MigrationAssignment(
             assignment.destinations, assignment.freed,
-            {g[2]["rank"]: {d: g[2]["sent"][d] for d in sorted(g[2]["sent"])}
-             for g in gathered if g[2].get("sent")})
+            {g[2]["rank"]: dict(g[2]["sent"]) for g in gathered if g[2].get("sent")})
         for g in gathered:
             g[2]["moved"] = assignment.moved_ids
     all_results = assemble((x for g in gathered for x in g[0]), ids, "results")
@@ -480,11 +480,11 @@ def _roles_at_trigger(r: _Rank, backend: GenerationBackend, board: SharedBoard
     destination there is nothing to balance, and m = ceil(R_t·M/C) = 1 means it holds any
     R_t samples. So a source exports as soon as it sees the trigger, and the destination
     expects their tickets at once. The progress reports' exchange kept the migrated samples
-    out of a whole decode step of the destination's: the rank that saw the trigger first
-    stepped until its peer's report was there, and the import came 6-16 ms after the trigger
-    on the demo's CPU where tickets now come 1-2 ms after it. A source whose samples all
-    finished meanwhile sends an empty file, acknowledged as any other. Each source's stats
-    say what it sent (``sent``); the final exchange tells every rank."""
+    out of a whole decode step of the destination's (the rank that saw the trigger first
+    stepped until its peer's report was there): on the demo's CPU the import came 6.5 ms
+    after the trigger at the median, up to 16, and comes 1.8 ms after it now. A source whose
+    samples all finished meanwhile sends an empty file, acknowledged as any other. Each
+    source's stats say what it sent (``sent``); the final exchange tells every rank."""
     counts = board.trigger_counts()
     if counts is None:
         raise CoordinatorTimeout(f"rank {r.rank}: the migration trigger is set without the "
