@@ -103,6 +103,10 @@ def measure(row: dict[str, Any]) -> dict[str, float] | None:
         "fused generation end": dest_gen,
         "sim serial end": sim["serial_s"] * 1e3, "serial end": serial_end,
         "sim fused end": sim["fused_s"] * 1e3, "fused end": fused_end,
+        # the serial run's scoring, from its last generation end to its end: how well the
+        # planner's fit prices the scoring of this batch's lengths
+        "sim serial scoring": (sim["serial_s"] - sim["serial_generation_s"]) * 1e3,
+        "serial scoring": serial_end - max(at(sr, r, "generation_end_s") for r in range(len(sr))),
         "sim ratio": sim["serial_s"] / sim["fused_s"], "ratio": serial_end / fused_end,
         "window ratio": row["serial"]["rollout_s"] / row["fused"]["rollout_s"],
         "balanced end": balanced,
@@ -182,6 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     pairs = [("trigger", "sim trigger"),
              ("serial generation end", "sim serial generation end"),
              ("fused generation end", "sim fused generation end"),
+             ("serial scoring", "sim serial scoring"),
              ("serial end", "sim serial end"), ("fused end", "sim fused end"),
              ("ratio", "sim ratio")]
     table = [[k, f"{med[s]:.3f}" if k == "ratio" else f"{med[s]:.1f}",

@@ -29,7 +29,7 @@ STEPS = [(b, 0.002 + 0.0001 * b) for b in (1, 2, 4, 8, 16, 24)] * 3
 def planner(lengths: list[int], scoring_s_per_token: float) -> RtPlanner:
     p = RtPlanner(48, 2, bs_max=64)
     p.observe(lengths, SimpleNamespace(steps=STEPS),
-              [(1000, 1000 * scoring_s_per_token)] * 4, prompt_len=10)
+              [(8, 1000, 1000 * scoring_s_per_token)] * 4, prompt_len=10)
     return p
 
 

@@ -9,7 +9,13 @@ import torch
 
 from rlhf_fusion.rollout import SampleSpec
 from rlhf_fusion.rollout.reference import ReferenceBackend
-from rlhf_fusion.rollout.rt_control import REPLAN_MAX, SCORING_WINDOW, RtPlanner, TimedBackend
+from rlhf_fusion.rollout.rt_control import (
+    REPLAN_MAX,
+    SCORING_WINDOW,
+    RtPlanner,
+    TimedBackend,
+    fit_scoring,
+)
 from rlhf_fusion.testing import build_causal_lm, tiny_config
 
 
@@ -40,34 +46,69 @@ def test_the_decode_fit_leaves_the_prefill_out():
     steps = [(64, 0.020)] + [(b, 0.002) for b in (40, 30, 20, 10, 5, 2, 1)]
     backend = SimpleNamespace(steps=steps, prefill_steps={0}, prefills=[(64, 0.020)])
     p = RtPlanner(64, 2, bs_max=64)
-    p.observe([4] * 64, backend, [(100, 0.01)], prompt_len=6)
+    p.observe([4] * 64, backend, [(8, 100, 0.01)], prompt_len=6)
     c = p.cluster()
     assert c.step_per_sample_s == pytest.approx(0.0, abs=1e-9)
     assert c.step_base_s == pytest.approx(0.002)
     assert c.prefill_per_token_s == pytest.approx((0.020 - 0.002) / 64 / 6)
     # Fitted as a decode step, the prefill made decode steps look 4x dearer at 40 samples.
     old = RtPlanner(64, 2, bs_max=64)
-    old.observe([4] * 64, SimpleNamespace(steps=steps), [(100, 0.01)], prompt_len=6)
+    old.observe([4] * 64, SimpleNamespace(steps=steps), [(8, 100, 0.01)], prompt_len=6)
     c_old = old.cluster()
     assert c_old.step_base_s + 40 * c_old.step_per_sample_s > 4 * 0.002
 
 
-def test_scoring_is_priced_from_the_last_batches_calls():
-    """A scoring call costs mostly per call: as completions shorten, its cost per token rises
-    (here 10 us with long completions, then 25 us). The fit follows the last SCORING_WINDOW
-    batches, where the whole history's average would stay below every recent batch's cost."""
+def _calls(lengths, per_sample, per_token, prompt=6, micro=4):
+    """Scoring calls of ``micro`` samples each costing ``per_sample`` a sample plus
+    ``per_token`` a token (prompt + response)."""
+    out = []
+    for i in range(0, len(lengths), micro):
+        chunk = lengths[i: i + micro]
+        tokens = sum(prompt + n for n in chunk)
+        out.append((len(chunk), tokens, per_sample * len(chunk) + per_token * tokens))
+    return out
+
+
+def test_scoring_is_priced_per_sample_and_per_token_from_the_last_batches_calls():
+    """A scoring call costs mostly per call: fitted per sample and per token, the price of a
+    batch of short completions is right after batches of long ones, where one price per token
+    set on the long ones priced the short ones at a fraction of their cost. Only the last
+    SCORING_WINDOW batches count: here the per-sample cost halves and the fit follows."""
     backend = SimpleNamespace(steps=[(8, 0.002), (4, 0.002)])
+    long_ = [40 + k % 9 for k in range(64)]
+    short = [2 + k % 5 for k in range(64)]
     p = RtPlanner(64, 2, bs_max=64)
-    for _ in range(10):
-        p.observe([40] * 64, backend, [(1000, 0.010)] * 8, prompt_len=6)
+    for _ in range(6):
+        p.observe(long_, backend, _calls(long_, 1e-3, 4e-6), prompt_len=6)
+    c = p.cluster()
+    assert c.infer_per_sample_s == pytest.approx(1e-3)
+    assert c.infer_per_token_s == pytest.approx(4e-6)
+    truth = sum(1e-3 + 4e-6 * (6 + n) for n in short)
+    priced = sum(c.infer_per_sample_s + c.infer_per_token_s * (6 + n) for n in short)
+    assert priced == pytest.approx(truth)
+    # (what one price per token, set on the long completions, made of the short ones)
+    per_token_alone = sum(x[2] for x in _calls(long_, 1e-3, 4e-6)) / sum(
+        x[1] for x in _calls(long_, 1e-3, 4e-6))
+    assert per_token_alone * sum(6 + n for n in short) < 0.4 * truth
     for k in range(SCORING_WINDOW):
-        p.observe([4] * 64, backend, [(400, 0.010), (400, 0.010)], prompt_len=6)
-        # (every call of a batch counts once, partial windows included)
-        long_, short = SCORING_WINDOW - 1 - k, k + 1
-        recent = (8 * long_ + 2 * short) * 0.010 / (8000 * long_ + 800 * short)
-        assert p.cluster().infer_per_token_s == pytest.approx(recent)
-    assert p.cluster().infer_per_token_s == pytest.approx(25e-6)
+        p.observe(short, backend, _calls(short, 0.5e-3, 4e-6), prompt_len=6)
+        c = p.cluster()
+        assert (c.infer_per_sample_s == pytest.approx(0.5e-3)) == (k == SCORING_WINDOW - 1)
     assert len(p.scoring) == SCORING_WINDOW
+
+
+def test_the_scoring_fit_keeps_both_costs_non_negative():
+    assert fit_scoring([]) is None
+    # every sample equally long: samples and tokens cannot be told apart, all per token
+    assert fit_scoring([(4, 40, 0.01), (2, 20, 0.005)]) == (0.0, pytest.approx(0.01 / 40))
+    # dearer calls with fewer tokens: no cost per token
+    per_sample, per_token = fit_scoring([(4, 40, 0.012), (4, 80, 0.008)])
+    assert per_token == 0.0 and per_sample == pytest.approx(0.02 / 8)
+    # a call's cost all per token: no cost per sample
+    per_sample, per_token = fit_scoring([(4, 40, 0.004), (4, 80, 0.008), (1, 30, 0.003)])
+    assert per_sample == pytest.approx(0.0, abs=1e-12) and per_token == pytest.approx(1e-4)
+    # no tokens at all (empty prompts and responses): per sample
+    assert fit_scoring([(4, 0, 0.008)]) == (pytest.approx(0.002), 0.0)
 
 
 def test_a_choice_that_holds_is_swept_ever_more_rarely_and_a_change_sweeps_again():
@@ -79,7 +120,7 @@ def test_a_choice_that_holds_is_swept_ever_more_rarely_and_a_change_sweeps_again
 
     def feed(lengths):
         p.dist = None
-        p.observe(lengths, SimpleNamespace(steps=steps), [(1000, 0.02)] * 4, prompt_len=10)
+        p.observe(lengths, SimpleNamespace(steps=steps), [(8, 1000, 0.02)] * 4, prompt_len=10)
 
     feed([10] * 40 + [250] * 8)
     swept_at = []
@@ -110,7 +151,7 @@ def test_a_checkpoint_keeps_the_sweep_schedule_and_the_prefill_fit():
                                training_modules=dict, optimizers={})
 
     p = RtPlanner(48, 2, bs_max=64)
-    p.observe([10] * 40 + [250] * 8, backend, [(1000, 0.02)] * 4, prompt_len=10)
+    p.observe([10] * 40 + [250] * 8, backend, [(8, 1000, 0.02)] * 4, prompt_len=10)
     for _ in range(4):
         p.rt()                                  # swept at 0, 1 and 3: the next at 7
     q = RtPlanner(48, 2, bs_max=64)
@@ -132,7 +173,7 @@ def test_sweeps_cost_at_most_their_budget_of_the_rollout_time(monkeypatch):
         clock = iter(x * sweep_s for x in range(10_000))   # every sweep takes sweep_s
         monkeypatch.setattr(rt_control, "time", SimpleNamespace(perf_counter=lambda: next(clock)))
         p = RtPlanner(48, 2, bs_max=64)
-        p.observe([10] * 40 + [250] * 8, SimpleNamespace(steps=steps), [(1000, 0.02)] * 4,
+        p.observe([10] * 40 + [250] * 8, SimpleNamespace(steps=steps), [(8, 1000, 0.02)] * 4,
                   prompt_len=10, rollout_s=rollout_s)
         swept_at = []
         for i in range(140):
@@ -151,3 +192,36 @@ def test_sweeps_cost_at_most_their_budget_of_the_rollout_time(monkeypatch):
     assert planner(1.0, 0.1) == [0, 64, 128]
     # cheap sweeps, or no rollout time reported: the doubling rule alone
     assert planner(1e-6, 10.0)[:6] == planner(0.05, None)[:6] == [0, 1, 3, 7, 15, 23]
+
+
+def test_a_checkpoint_keeps_the_scoring_fit_and_drops_an_older_format():
+    """The resumed planner prices scoring as the saved one did (through torch.save and a
+    weights-only load, as Lightning reads checkpoints); a checkpoint from before the cost per
+    sample, (tokens, seconds) per batch, leaves the window empty for the next batches."""
+    import io
+
+    from rlhf_fusion.loop.checkpoint import load_worker_state, worker_state
+
+    def worker(planner):
+        return SimpleNamespace(rt_planner=planner, iteration_index=2, world=1, rank=0,
+                               optimizers={}, training_modules=dict)
+
+    backend = SimpleNamespace(steps=[(8, 0.002), (4, 0.0015)])
+    lengths = [3 + k % 11 for k in range(64)]
+    saved = RtPlanner(64, 2, bs_max=64)
+    for _ in range(2):
+        saved.observe(lengths, backend, _calls(lengths, 1e-3, 4e-6), prompt_len=6)
+    buf = io.BytesIO()
+    torch.save(worker_state(worker(saved), []), buf)
+    buf.seek(0)
+    ck = torch.load(buf, weights_only=True)
+    resumed = RtPlanner(64, 2, bs_max=64)
+    load_worker_state(worker(resumed), ck)
+    assert resumed.scoring == saved.scoring
+    assert resumed.cluster() == saved.cluster()
+    assert resumed.cluster().infer_per_sample_s == pytest.approx(1e-3)
+
+    ck["rt_planner"]["scoring"] = [[1000, 0.01], [900, 0.01]]
+    old = RtPlanner(64, 2, bs_max=64)
+    load_worker_state(worker(old), ck)
+    assert old.scoring == []

@@ -352,7 +352,7 @@ def test_rt_auto_starts_at_a_quarter_then_follows_the_simulator():
     lengths = [4] * 56 + [200] * 8
     timed = SimpleNamespace(steps=[(b, 1e-3) for b in range(1, 9) for _ in range(5)])
     results = [SimpleNamespace(token_ids=(0,) * n) for n in lengths]
-    auto.observe(results, timed, [(1000, 1e-2)], prompt_len=8)
+    auto.observe(results, timed, [(8, 1000, 1e-2)], prompt_len=8)
     chosen = auto.rt(64)
     assert auto.planner.dist is not None and auto.planner.by_batch  # the rollout was seen
     assert 1 <= chosen <= 64 and chosen != 16 and auto.planner.history == [16, chosen]

@@ -52,7 +52,8 @@ def worker_state(worker: Any, history: list[dict[str, float]]) -> dict[str, Any]
         "rt_planner": {"dist": None if planner.dist is None else
                        (planner.dist.lengths.tolist(), planner.dist.weights.tolist()),
                        "by_batch": dict(planner.by_batch),
-                       "scoring": planner.scoring, "current": planner.current,
+                       "scoring": [[list(c) for c in b] for b in planner.scoring],
+                       "current": planner.current,
                        "history": planner.history, "prompt_len": planner.prompt_len,
                        "prefills": [list(x) for x in planner.prefills],
                        "sweeps": [planner.sweeps, planner._interval, planner._skip],
@@ -88,8 +89,11 @@ def load_worker_state(worker: Any, ck: dict[str, Any], where: str = "checkpoint"
     planner.dist = None if st["dist"] is None else LengthDistribution(*st["dist"])
     planner.by_batch.clear()
     planner.by_batch.update(st["by_batch"])
-    # (older checkpoints kept every scoring call: their last entries stand in for batches)
-    planner.scoring = [tuple(x) for x in st["scoring"]][-SCORING_WINDOW:]
+    # (older checkpoints kept (tokens, seconds) per batch or per call, which the fit of a cost
+    # per sample cannot use: the window refills from the next batches)
+    planner.scoring = [[tuple(c) for c in b] for b in st["scoring"]
+                       if all(isinstance(c, list | tuple) and len(c) == 3 for c in b)
+                       ][-SCORING_WINDOW:]
     planner.current = st["current"]
     planner.history = list(st["history"])
     planner.prompt_len = st["prompt_len"]

@@ -60,7 +60,13 @@ from ..launch import note_stage
 from ..rollout.backend_registry import BackendRequest, make_backend
 from ..rollout.inference import Experience, InferenceModels, merge_parts
 from ..rollout.local import LocalFusedRollout
-from ..rollout.rt_control import RtPlanner, TimedBackend, timed_scoring
+from ..rollout.rt_control import (
+    RtPlanner,
+    ScoringCall,
+    TimedBackend,
+    scoring_call,
+    timed_scoring,
+)
 from ..rollout.types import SampleSpec
 from ..runtime.fused import ROLES
 from ..runtime.microbatch import split_micro_batches
@@ -166,7 +172,7 @@ class PPOWorker:
                                 adaptive=a.adaptive_kl, target=a.target_kl,
                                 horizon=a.kl_horizon)
         self._finish_order: list[int] = []
-        self._scoring: list[tuple[int, float]] = []
+        self._scoring: list[ScoringCall] = []
         self._scoring_cpu: list[float] = []
         self._train_events: list[tuple[str, float, float]] = []
         self.ppo = ppo_config(cfg)
@@ -384,7 +390,7 @@ class PPOWorker:
         steps = getattr(self.backend, "steps", [])
         compute = sum(b - a for name, a, b in self._train_events if _is_compute(name))
         row = torch.tensor([[sum(s for _, s in steps), getattr(self.backend, "cpu_s", 0.0),
-                             sum(s for _, s in self._scoring), sum(self._scoring_cpu),
+                             sum(c[2] for c in self._scoring), sum(self._scoring_cpu),
                              compute]], dtype=torch.float64)
         if self.distributed:
             rows = [torch.zeros_like(row) for _ in range(self.world)]
@@ -457,8 +463,7 @@ class PPOWorker:
                     t = time.perf_counter()
                     self._scored_at.append(t - self._t0)
                     parts = scorer.score_parts(batch)
-                    self._scoring.append((sum(len(x.prompt_ids) + len(x.token_ids)
-                                              for x in batch), time.perf_counter() - t))
+                    self._scoring.append(scoring_call(batch, time.perf_counter() - t))
                     mine[call].extend((x.sample_id, q) for x, q in zip(batch, parts))
                     if call == "reward_inf":
                         self._finish_order.extend(x.sample_id for x in batch)

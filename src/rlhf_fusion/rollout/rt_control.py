@@ -32,10 +32,12 @@ from .planning.simulate import ClusterModel, plan_migration
 # SweepResult.choose), and keep the current R_t while it is within STICKY of the best.
 TOLERANCE = 0.05
 STICKY = 0.05
-# Scoring is priced per token from the last few batches' scoring calls, not from every call
-# since the start: a forward's cost is mostly per call, so its cost per token rises as a run's
-# completions shorten, and the whole history's average priced the GRPO demo's later batches 23%
-# below their measured scoring (a recent window: within 4%; session 47, the analysis).
+# Scoring is priced from the last few batches' scoring calls, not from every call since the
+# start: the whole history's average priced the GRPO demo's later batches 23% below their
+# measured scoring (session 47, the analysis). A forward's cost is mostly per call, so the fit
+# has a cost per sample beside the cost per token: priced per token alone, a window whose
+# completions were longer than the next batch's priced its scoring 14% low (the median of the
+# demo's iterations 1-13, where its completions shorten fastest; session 54).
 SCORING_WINDOW = 4
 # R_t before any length has been seen: a quarter of the batch (RLHFuse's sweeps put the best
 # R_t at 20-40 % of the batch for long-tailed lengths).
@@ -109,17 +111,48 @@ class TimedBackend:
         return getattr(self._inner, name)
 
 
-def timed_scoring(score: Callable[[Sequence[Any]], Any], log: list[tuple[int, float]],
+#: One scoring call: (samples, tokens = prompt + response over its samples, seconds).
+ScoringCall = tuple[int, int, float]
+
+
+def scoring_call(samples: Sequence[Any], seconds: float) -> ScoringCall:
+    """The :data:`ScoringCall` of a call that scored ``samples`` (``SampleResult`` s)."""
+    return (len(samples), sum(len(s.prompt_ids) + len(s.token_ids) for s in samples), seconds)
+
+
+def fit_scoring(calls: Sequence[ScoringCall]) -> tuple[float, float] | None:
+    """``(seconds per sample, seconds per token)``, both >= 0, the least-squares fit of
+    ``seconds = per_sample * samples + per_token * tokens`` over ``calls``; None without a
+    call. Calls whose tokens go with their samples alone (every sample equally long) cannot
+    split the two: all goes to the cost per token, as the simulator's lengths then say."""
+    n = [float(c[0]) for c in calls]
+    k = [float(c[1]) for c in calls]
+    y = [float(c[2]) for c in calls]
+    snn, skk, snk = sum(a * a for a in n), sum(b * b for b in k), sum(a * b for a, b in zip(n, k))
+    sny, sky = sum(a * c for a, c in zip(n, y)), sum(b * c for b, c in zip(k, y))
+    if not skk:
+        return (sny / snn, 0.0) if snn else None
+    det = snn * skk - snk * snk
+    if det > 1e-9 * snn * skk:
+        per_sample = (sny * skk - sky * snk) / det
+        per_token = (sky * snn - sny * snk) / det
+        if per_sample >= 0 and per_token >= 0:
+            return per_sample, per_token
+        if per_token < 0:   # (the best fit with one term at zero)
+            return sny / snn, 0.0
+    return 0.0, max(sky / skk, 0.0)
+
+
+def timed_scoring(score: Callable[[Sequence[Any]], Any], log: list[ScoringCall],
                   cpu: list[float] | None = None) -> Callable[[Sequence[Any]], Any]:
-    """Wrap ``InferenceModels.score`` to log ``(tokens scored, seconds)`` per call (and its
-    thread CPU seconds to ``cpu``)."""
+    """Wrap ``InferenceModels.score`` to log a :data:`ScoringCall` per call (and its thread
+    CPU seconds to ``cpu``)."""
 
     def run(samples: Sequence[Any]) -> Any:
         c = time.thread_time()
         t = time.perf_counter()
         out = score(samples)
-        tokens = sum(len(s.prompt_ids) + len(s.token_ids) for s in samples)
-        log.append((tokens, time.perf_counter() - t))
+        log.append(scoring_call(samples, time.perf_counter() - t))
         if cpu is not None:
             cpu.append(time.thread_time() - c)
         return out
@@ -145,8 +178,8 @@ class RtPlanner:
         self.by_batch: dict[int, list[float]] = defaultdict(list)
         # (samples admitted, seconds) of the steps that prefilled them (TimedBackend.prefills)
         self.prefills: list[tuple[int, float]] = []
-        # (tokens scored, seconds) per observed batch, the last SCORING_WINDOW of them
-        self.scoring: list[tuple[int, float]] = []
+        # the scoring calls of each observed batch, the last SCORING_WINDOW batches
+        self.scoring: list[list[ScoringCall]] = []
         self.prompt_len = 0
         # the last observed rollout's seconds (generation + scoring), what a sweep's cost is
         # weighed against (SWEEP_BUDGET); None until a caller reports one
@@ -161,7 +194,7 @@ class RtPlanner:
         self._skip = 0           # iterations left before the next sweep
 
     def observe(self, lengths: Sequence[int], backend: TimedBackend,
-                scoring: Sequence[tuple[int, float]] = (), prompt_len: float = 0.0,
+                scoring: Sequence[ScoringCall] = (), prompt_len: float = 0.0,
                 rollout_s: float | None = None) -> None:
         """One rollout's lengths, timed decode steps and scoring calls; ``rollout_s``: its
         seconds, which keep the sweeps within ``SWEEP_BUDGET`` of the rollout time."""
@@ -177,12 +210,13 @@ class RtPlanner:
                 self.by_batch[b].append(s)
         self.prefills.extend(getattr(backend, "prefills", ()))
         if scoring:
-            self.scoring.append((sum(t for t, _ in scoring), sum(s for _, s in scoring)))
+            self.scoring.append([tuple(c) for c in scoring])  # type: ignore[misc]
             del self.scoring[:-SCORING_WINDOW]
         self.prompt_len = int(prompt_len)
 
     def cluster(self) -> ClusterModel:
-        """Instance costs fitted to the medians of the decode steps, per running-batch size."""
+        """Instance costs: decode fitted to the medians of the decode steps, per running-batch
+        size; scoring to the last ``SCORING_WINDOW`` batches' calls (:func:`fit_scoring`)."""
         pts = [(b, statistics.median(v)) for b, v in sorted(self.by_batch.items()) if v]
         if len(pts) >= 2:
             mx = statistics.fmean(b for b, _ in pts)
@@ -192,21 +226,24 @@ class RtPlanner:
             base = max(my - slope * mx, 1e-6)
         else:
             slope, base = 0.0, pts[0][1] if pts else 1e-3
-        tok = sum(t for t, _ in self.scoring)
-        per_token = (sum(s for _, s in self.scoring) / tok) if tok else base / 16
+        calls = [c for batch in self.scoring for c in batch]
+        fit = fit_scoring(calls)
+        infer_sample, infer_token = fit if fit is not None else (0.0, base / 16)
         # A prefill step also decodes the samples it admits: what it costs above that decode
         # step, per admitted sample and prompt token (samples that share a prompt, a GRPO
-        # group, share its prefill, and this measures it so).
-        prefill = per_token / 3
+        # group, share its prefill, and this measures it so). Before one is timed: a third of
+        # a scored token's average cost, a forward over it without the logits' work.
+        tokens = sum(c[1] for c in calls)
+        prefill = (sum(c[2] for c in calls) / tokens if tokens else base / 16) / 3
         if self.prefills:
-            per_sample = statistics.median(
+            per_admitted = statistics.median(
                 max(s - (base + slope * n), 0.0) / n for n, s in self.prefills)
-            prefill = per_sample / max(self.prompt_len, 1)
+            prefill = per_admitted / max(self.prompt_len, 1)
         return ClusterModel(
             instances=self.world, bs_max=self.bs_max, step_base_s=base,
             step_per_sample_s=slope, step_per_kv_token_s=0.0,
-            prefill_per_token_s=prefill, infer_per_token_s=per_token,
-            kv_capacity_tokens=self.kv_capacity_tokens, prompt_len=self.prompt_len)
+            prefill_per_token_s=prefill, infer_per_token_s=infer_token,
+            infer_per_sample_s=infer_sample, kv_capacity_tokens=self.kv_capacity_tokens, prompt_len=self.prompt_len)
 
     def _decide(self) -> int:
         if self.fixed is not None:

@@ -206,7 +206,7 @@ def script_planner(planner: Any, kind: str) -> None:
     planner.scoring.clear()
     planner.rollout_s = None   # no sweep budget: the script sweeps at every batch
     planner.observe(RT_SCRIPT_LENGTHS[kind], SimpleNamespace(steps=RT_SCRIPT_STEPS),
-                    [(1000, 0.1)] * 4, prompt_len=10)
+                    [(8, 1000, 0.1)] * 4, prompt_len=10)
 
 
 def grpo_rt_script_worker(rank: int, world: int, model_dir: str, out_dir: str,

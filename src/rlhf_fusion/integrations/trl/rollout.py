@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from ...rollout.rt_control import ScoringCall, scoring_call
 from ...rollout.types import SampleResult, SampleSpec
 
 
@@ -191,7 +192,7 @@ class RowScorer:
         self.max_rows = max_rows or micro_batch
         self.min_tokens = min_tokens
         self.seconds = 0.0
-        self.calls: list[tuple[int, float]] = []
+        self.calls: list[ScoringCall] = []
 
     def ready(self, pending: Sequence[SampleResult]) -> bool:
         """Whether the finished samples waiting to be scored fill one scoring pass (``max_rows``
@@ -213,7 +214,7 @@ class RowScorer:
             out.extend(self._score(chunk))
             dt = time.perf_counter() - t
             self.seconds += dt
-            self.calls.append((sum(len(s.prompt_ids) + len(s.token_ids) for s in chunk), dt))
+            self.calls.append(scoring_call(chunk, dt))
         return out
 
     @torch.no_grad()
