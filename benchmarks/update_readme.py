@@ -347,7 +347,8 @@ def sixteen_cores() -> str:
 
     out = (" With a core for each rank (16 CPU cores of the device machine, no GPU used; "
            "`PAIRS=7 bash benchmarks/grpo_quiet_machine.sh` or `demo_compare.py --algo grpo "
-           "--pairs 7`)")
+           "--pairs 7`; sessions 46-49, their bounds from the scoring priced per token alone, "
+           "before the cost per sample of session 54)")
     if "pooled_balanced" in d:
         n = sum(r["baseline"] == "balanced" for r in d["runs"])
         out += (f", against the balanced serial baseline, {n} runs: {runs_of('balanced')}; "
