@@ -243,7 +243,8 @@ class RtPlanner:
             instances=self.world, bs_max=self.bs_max, step_base_s=base,
             step_per_sample_s=slope, step_per_kv_token_s=0.0,
             prefill_per_token_s=prefill, infer_per_token_s=infer_token,
-            infer_per_sample_s=infer_sample, kv_capacity_tokens=self.kv_capacity_tokens, prompt_len=self.prompt_len)
+            infer_per_sample_s=infer_sample, kv_capacity_tokens=self.kv_capacity_tokens,
+            prompt_len=self.prompt_len)
 
     def _decide(self) -> int:
         if self.fixed is not None:
