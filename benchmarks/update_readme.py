@@ -316,7 +316,8 @@ def corun() -> str:
     rows = d["rows"]
     beside_score = [r["slowdown"] for r in rows if r["a"] == "decode" and r["b"] == "score"]
     scoring = {r["b"]: r["slowdown"] for r in rows if r["a"] == "score"}
-    return (f" On the same {d['cores']} cores, a rank's decode step costs "
+    cpu = d.get("device", {}).get("cpu", "the same CPU")
+    return (f" On {d['cores']} cores of {cpu} (its own run), a rank's decode step costs "
             f"x{min(beside_score):.2f}-x{max(beside_score):.2f} beside its peer's scoring and "
             f"a scoring call x{scoring['decode']:.2f} beside its peer's decoding "
             f"(x{scoring['score']:.2f} beside its scoring), against the same "

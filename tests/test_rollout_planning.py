@@ -206,3 +206,21 @@ def test_choose_takes_the_middle_of_the_near_optimal_stretch():
     times[6] = 1.06
     noisy = SweepResult(32, [SweepPoint(rt, rt / 32, 1, t, 1.5, "kv") for rt, t in times.items()])
     assert noisy.choose(0.05, "middle").rt in (13, 16)
+
+
+def test_fused_simulation_scores_in_micro_batches_in_ready_order():
+    # One decode step a second, one scoring second a sample; five samples end at their
+    # prefill (t=0), sample 5 decodes 4 steps on instance 1, which keeps it (R_t = 1).
+    c = ClusterModel(instances=2, bs_max=8, step_base_s=1.0, step_per_sample_s=0.0,
+                     step_per_kv_token_s=0.0, prefill_per_token_s=0.0, infer_per_token_s=0.0,
+                     infer_per_sample_s=1.0, prompt_len=0)
+    lengths = np.array([1, 1, 1, 1, 1, 5])
+    ends = {mb: simulate_fused(lengths, c, 1, micro_batch=mb) for mb in (1, 2, 4, 6)}
+    assert {r.serial_s for r in ends.values()} == {4.0 + 3.0}
+    assert all(r.trigger_s == 0.0 and r.fused_generation_s == 4.0 for r in ends.values())
+    # single samples: the freed instance scores four, then each instance one (ends at 5);
+    # pairs: the last pair waits for sample 5 (4 + 2); all six in one: 4 + 6
+    assert {mb: r.fused_s for mb, r in ends.items()} == {1: 5.0, 2: 6.0, 4: 6.0, 6: 10.0}
+    assert ends[4].scored_at == {0: 4.0, 1: 4.0, 2: 4.0, 3: 4.0, 4: 6.0, 5: 6.0}
+    with pytest.raises(RolloutConfigError, match="micro_batch must be >= 1"):
+        simulate_fused(lengths, c, 1, micro_batch=0)

@@ -224,13 +224,22 @@ def serial_scored_at(lengths: np.ndarray, c: ClusterModel) -> dict[int, float]:
 
 def simulate_fused(lengths: np.ndarray, c: ClusterModel, rt: int,
                    serial: tuple[float, float, dict[int, float]] | None = None,
-                   mechanism: str | None = None) -> IterationResult:
+                   mechanism: str | None = None, *, micro_batch: int = 1) -> IterationResult:
     """One iteration with migration at R_t remaining samples (``rt``). ``serial``: what
     :func:`simulate_serial` returns for these ``lengths`` and ``c``, when the caller has it
     (a sweep over R_t simulates the serial run once).
 
+    ``micro_batch``: the scoring is handed out in micro-batches of this many samples, in the
+    order they become ready (each ready when its last sample is; the last may be partial),
+    as a rollout that scores in micro-batches does; the default 1 schedules single samples,
+    the finest split, which R_t's planner and the bound use. A coarser split ends no earlier:
+    the last micro-batches leave a rank idle while another scores (the serial run's sums are
+    the same either way, each rank scoring its shard in one stretch).
+
     Returns inf for ``fused_s`` when the configuration is infeasible (m >= instances).
     """
+    if micro_batch < 1:
+        raise RolloutConfigError(f"micro_batch must be >= 1, got {micro_batch}")
     n = len(lengths)
     serial_total, serial_gen, finish = serial if serial is not None else simulate_serial(
         lengths, c)
@@ -285,10 +294,13 @@ def simulate_fused(lengths: np.ndarray, c: ClusterModel, rt: int,
     heapq.heapify(workers)
     end = 0.0
     scored_at: dict[int, float] = {}
-    for ready, i in jobs:
+    for k in range(0, n, micro_batch):
+        batch = jobs[k: k + micro_batch]
         free = heapq.heappop(workers)
-        done_at = max(free, ready) + _infer_time(c, c.prompt_len, int(lengths[i]))
-        scored_at[i] = done_at
+        done_at = max(free, batch[-1][0]) + sum(_infer_time(c, c.prompt_len, int(lengths[i]))
+                                                for _, i in batch)
+        for _, i in batch:
+            scored_at[i] = done_at
         end = max(end, done_at)
         heapq.heappush(workers, done_at)
     fused_gen = max(gen_end.values(), default=trigger)
