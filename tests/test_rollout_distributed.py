@@ -20,8 +20,8 @@ SPECS = [SampleSpec(i, [(7 * i) % 64, 1, 2][: 1 + i % 3], max_new_tokens=TAIL.ge
                     seed=21, stop_token_ids=(9,) if i == 11 else ()) for i in range(16)]
 
 
-def job(configs, **kw):
-    return TinyJob(specs=SPECS, configs=configs, actor=dict(SMALL, seed=1),
+def job(configs, specs=SPECS, **kw):
+    return TinyJob(specs=specs, configs=configs, actor=dict(SMALL, seed=1),
                    ref=dict(SMALL, seed=2), reward=dict(SMALL, seed=3),
                    critic=dict(SMALL, seed=4), bs_max=8, micro_batch=3, **kw)
 
@@ -57,6 +57,31 @@ def test_two_ranks_fused_equals_serial_for_both_mechanisms():
         # Freed rank started inference before the destination finished generating.
         freed = 1 - dest[0]
         assert ranks[freed]["inference_start_s"] < ranks[dest[0]]["generation_end_s"]
+
+
+def test_a_rank_whose_shard_ends_before_the_trigger_scores_its_samples_meanwhile():
+    """Rank 0's samples end after two tokens, rank 1's run 30-42: rank 0 has nothing to decode
+    long before the total falls to R_t. It scores its own finished samples meanwhile (whole
+    micro-batches of 3: 6 of its 8) instead of idling, is the freed rank at the trigger, and
+    the rollout equals the serial one, every sample scored once."""
+    specs = [SampleSpec(i, [(5 * i) % 64, 3], max_new_tokens=2 if i % 2 == 0 or i == 15
+                        else 30 + i, seed=5) for i in range(16)]
+    configs = [RolloutConfig(fused=False), RolloutConfig(rt=4, mechanism="kv")]
+    out = [r.value for r in run_ranks(tiny_job_worker, 2, job(configs, specs=specs),
+                                      collective_timeout=60)]
+    serial, fused = out[0][0]["output"], out[0][1]["output"]
+    ranks = fused.stats["ranks"]
+    assert ranks[0]["destinations"] == [1] and not ranks[0]["moved"]
+    assert ranks[0]["inference_start_s"] < ranks[0]["trigger_s"], ranks[0]
+    assert ranks[1]["inference_start_s"] > ranks[1]["trigger_s"]
+    assert sum(st["scored"] for st in ranks) == 16
+    assert sum(st["scoring_batches"] for st in ranks) <= sum(
+        st["scoring_batches"] for st in serial.stats["ranks"])
+    assert [e.sample_id for e in fused.experiences] == list(range(16))
+    for a, b in zip(serial.experiences, fused.experiences, strict=True):
+        assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+        assert torch.max(torch.abs(a.ref_logprobs - b.ref_logprobs)).item() < 1e-9
+        assert abs(a.reward - b.reward) < 1e-9
 
 
 def test_three_ranks_on_one_host_plan_from_the_trigger_or_from_reports():

@@ -277,10 +277,15 @@ def run_rollout(
             results = done
     else:
         assert rt is not None and m is not None
+        # This rank's own finished samples scored before the trigger (_score_while_idle).
+        early: list[SampleResult] = []
+        early_exps: list[Experience] = []
+        idle_work = (_score_while_idle(inference, done, early, early_exps, stats, t0)
+                     if roles and inference is not None else None)
         # On one host nothing below goes through the store: an error there is not a lost one.
         with (r.store_errors("generating until the trigger") if board is None
               else contextlib.nullcontext()):
-            _generate_until_trigger(r, backend, rt, done, board, roles)
+            _generate_until_trigger(r, backend, rt, done, board, roles, idle_work)
         stats["trigger_s"] = time.perf_counter() - t0
         note_stage("migration", 1)
         if roles:
@@ -327,7 +332,7 @@ def run_rollout(
         with (r.store_errors("streaming finished samples") if board is None
               else contextlib.nullcontext()):
             results, exps = _stream(r, backend, inference, assignment.destinations, done, t0,
-                                    stats, settle, board, incoming)
+                                    stats, settle, board, incoming, early_exps)
     stats["local_end_s"] = time.perf_counter() - t0
     note_stage("assembling the experience batch", 1)
     # As columns (.experience_wire): the last rank to finish dumps it, every peer then loads
@@ -419,16 +424,18 @@ def _shared_board(r: _Rank) -> SharedBoard | None:
 
 def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
                             done: list[SampleResult], board: SharedBoard | None,
-                            roles: bool = False) -> None:
+                            roles: bool = False,
+                            idle_work: Callable[[], bool] | None = None) -> None:
     """Decode until at most ``rt`` samples are left over all ranks. Every rank heartbeats
     while it waits here, and a peer whose heartbeat stops for ``timeout_s`` ends the wait with
     an error naming it: the trigger is set by whichever rank sees the total first, so without
     it a dead peer's count would hold every other rank here forever. On one host through the
     group's shared ``board`` (:mod:`.board`: no collective at the start; with ``roles``, the
-    trigger carries the counts it was set on), else the store."""
+    trigger carries the counts it was set on), else the store. ``idle_work``: called instead of
+    sleeping while this rank has nothing left to decode (on the board); True if it did some."""
     if board is not None:
         note_stage("generation until the migration trigger", 1)
-        _until_trigger_shared(r, backend, rt, done, board, roles)
+        _until_trigger_shared(r, backend, rt, done, board, roles, idle_work)
         return
     store = r.store
     published = len(backend.unfinished())
@@ -440,7 +447,8 @@ def _generate_until_trigger(r: _Rank, backend: GenerationBackend, rt: int,
 
 
 def _until_trigger_shared(r: _Rank, backend: GenerationBackend, rt: int,
-                          done: list[SampleResult], board: SharedBoard, roles: bool) -> None:
+                          done: list[SampleResult], board: SharedBoard, roles: bool,
+                          idle_work: Callable[[], bool] | None = None) -> None:
     """The one-host board: publish and check after every decode step (memory accesses)."""
     start, hb = time.perf_counter(), board.heartbeats()
     beats = {i: (hb[i], start) for i in range(r.world) if i != r.rank}
@@ -451,7 +459,7 @@ def _until_trigger_shared(r: _Rank, backend: GenerationBackend, rt: int,
         if left:
             _step(r, backend, done)
             left = len(backend.unfinished())
-        else:
+        elif idle_work is None or not idle_work():
             # Nothing to decode: the peers need the core more than a tight poll does.
             time.sleep(idle)
             idle = min(2 * idle, IDLE_POLL_MAX_S / 4)
@@ -496,6 +504,33 @@ def _roles_at_trigger(r: _Rank, backend: GenerationBackend, board: SharedBoard
     return MigrationAssignment(
         destinations=dests, freed=[i for i in range(r.world) if i not in dests],
         moves={s: {d: list(ids) if s == r.rank else [] for d in dests} for s in sources})
+
+
+def _score_while_idle(inference: InferenceModels, done: list[SampleResult],
+                      early: list[SampleResult], early_exps: list[Experience],
+                      stats: dict[str, Any], t0: float) -> Callable[[], bool]:
+    """Work for a rank whose shard has finished before the trigger: it scores its own finished
+    samples, one whole micro-batch a call, between its checks of the board, instead of idling
+    until a peer's count brings the total down to R_t. Such a rank has no sample to send and
+    becomes a freed rank at the trigger, which scores its own samples first anyway; the
+    trigger is seen at most one scoring call late, and with one destination on one host
+    (roles at the trigger) no peer waits for this rank then. Measured on the GRPO demo (2
+    ranks, session 56): a quarter of the fused rollouts had one rank idle 1-6.6 ms there, the
+    start skew and unequal core speeds leaving its short completions done early. The serial
+    rollout idles at its end-of-generation barrier instead; this is overlap too."""
+    micro = inference.micro_batch
+
+    def work() -> bool:
+        batch = done[len(early): len(early) + micro]
+        if len(batch) < micro:   # whole micro-batches: the rest goes with the stream's
+            return False
+        stats.setdefault("inference_start_s", time.perf_counter() - t0)
+        stats["scoring_batches"] = stats.get("scoring_batches", 0) + 1
+        early_exps.extend(inference.score(batch))
+        early.extend(batch)
+        return True
+
+    return work
 
 
 def _step(r: _Rank, backend: GenerationBackend, done: list[SampleResult]) -> None:
@@ -868,12 +903,15 @@ def _await_file(r: _Rank, board: SharedBoard, path: str, peer: int, what: str,
 def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | None,
             destinations: Sequence[int], done: list[SampleResult], t0: float,
             stats: dict[str, Any], settle: Callable[[], None], board: SharedBoard | None,
-            incoming: _Incoming | None = None
+            incoming: _Incoming | None = None, scored: Sequence[Experience] = ()
             ) -> tuple[list[SampleResult], list[Experience]]:
+    """Score this rank's finished samples and the stream's; ``scored``: the experiences of
+    ``done[:len(scored)]``, scored before the trigger (:func:`_score_while_idle`)."""
     chan: _StoreStream | _BoardStream = (_StoreStream(r) if board is None
                                          else _BoardStream(r, board, destinations))
     micro = inference.micro_batch if inference is not None else 64
-    exps: list[Experience] = []
+    exps: list[Experience] = list(scored)
+    own = done[len(scored):]   # this rank's finished samples still to score
     results: list[SampleResult] = []
     # Samples waiting for a whole micro-batch: a scoring call of a partial one costs nearly a
     # whole one's time on a small model (its cost is mostly per call), and the stream's
@@ -912,7 +950,7 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
 
     if r.rank in destinations:
         results.extend(done)
-        backlog.extend(done)
+        backlog.extend(own)
         last_hb = 0.0
         steps = 0
         if incoming is not None and incoming.pending and backend.unfinished():
@@ -964,14 +1002,14 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
         # included.
         results.extend(done)
         stats["generation_end_s"] = stats.get("trigger_s")
-        if done:
+        if own:
             # Hungry two micro-batches before the end of its own samples: the destinations
             # check between their decode steps and scoring calls, so the first chunk is
             # there when this rank needs it.
-            cut = max(len(done) - 2 * micro, 0) // micro * micro
-            score(done[:cut])
+            cut = max(len(own) - 2 * micro, 0) // micro * micro
+            score(own[:cut])
             chan.hungry()
-            score(done[cut:])
+            score(own[cut:])
             stats["own_scored_s"] = time.perf_counter() - t0
     settle()
     chan.hungry()   # from here on this rank scores only what the stream brings
