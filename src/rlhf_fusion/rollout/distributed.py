@@ -800,7 +800,7 @@ def _write_whole(path: str, *tensors: torch.Tensor) -> None:
     try:
         with open(path + ".part", "wb") as f:
             for t in tensors:
-                f.write(t.numpy().tobytes())
+                f.write(t.contiguous().numpy())   # the buffer itself, not a bytes copy
     except OSError:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(path + ".part")

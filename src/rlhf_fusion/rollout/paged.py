@@ -156,11 +156,15 @@ class PagedKVPool:
         if not spans:
             return []
         idx = self._slot_list(spans)
-        parts = []
+        # Gathered straight into the result (an index and two stacks were three copies of the
+        # whole KV, on the freed rank's path to its scoring and the destination's to its tail).
+        data = torch.empty((self.num_layers, 2, idx.numel(), self.num_kv_heads, self.head_dim),
+                           dtype=self.dtype, device=self.device)
         for layer in range(self.num_layers):
             k, v = self.flat(layer)
-            parts.append(torch.stack([k[idx], v[idx]]))
-        data = torch.stack(parts).cpu()
+            torch.index_select(k, 0, idx, out=data[layer, 0])
+            torch.index_select(v, 0, idx, out=data[layer, 1])
+        data = data.cpu()
         return [KVHandle(x.contiguous())
                 for x in torch.split(data, [n for _, n in spans], dim=2)]
 
