@@ -232,9 +232,9 @@ def simulate_fused(lengths: np.ndarray, c: ClusterModel, rt: int,
     ``micro_batch``: the scoring is handed out in micro-batches of this many samples, in the
     order they become ready (each ready when its last sample is; the last may be partial),
     as a rollout that scores in micro-batches does; the default 1 schedules single samples,
-    the finest split, which R_t's planner and the bound use. A coarser split ends no earlier:
-    the last micro-batches leave a rank idle while another scores (the serial run's sums are
-    the same either way, each rank scoring its shard in one stretch).
+    the finest split, which R_t's planner and the bound use. A coarser split usually ends
+    later: the last micro-batches leave a rank idle while another scores (the serial run's
+    sums are the same either way, each rank scoring its shard in one stretch).
 
     Returns inf for ``fused_s`` when the configuration is infeasible (m >= instances).
     """
