@@ -277,10 +277,10 @@ def run_rollout(
             results = done
     else:
         assert rt is not None and m is not None
-        # This rank's own finished samples scored before the trigger (_score_while_idle).
-        early: list[SampleResult] = []
+        # The experiences of this rank's first finished samples, scored before the trigger
+        # (_score_while_idle): one per sample of done[:len(early_exps)].
         early_exps: list[Experience] = []
-        idle_work = (_score_while_idle(inference, done, early, early_exps, stats, t0)
+        idle_work = (_score_while_idle(inference, done, early_exps, stats, t0)
                      if roles and inference is not None else None)
         # On one host nothing below goes through the store: an error there is not a lost one.
         with (r.store_errors("generating until the trigger") if board is None
@@ -507,8 +507,8 @@ def _roles_at_trigger(r: _Rank, backend: GenerationBackend, board: SharedBoard
 
 
 def _score_while_idle(inference: InferenceModels, done: list[SampleResult],
-                      early: list[SampleResult], early_exps: list[Experience],
-                      stats: dict[str, Any], t0: float) -> Callable[[], bool]:
+                      early_exps: list[Experience], stats: dict[str, Any], t0: float
+                      ) -> Callable[[], bool]:
     """Work for a rank whose shard has finished before the trigger: it scores its own finished
     samples, one whole micro-batch a call, between its checks of the board, instead of idling
     until a peer's count brings the total down to R_t. Such a rank has no sample to send and
@@ -521,13 +521,12 @@ def _score_while_idle(inference: InferenceModels, done: list[SampleResult],
     micro = inference.micro_batch
 
     def work() -> bool:
-        batch = done[len(early): len(early) + micro]
+        batch = done[len(early_exps): len(early_exps) + micro]
         if len(batch) < micro:   # whole micro-batches: the rest goes with the stream's
             return False
         stats.setdefault("inference_start_s", time.perf_counter() - t0)
         stats["scoring_batches"] = stats.get("scoring_batches", 0) + 1
-        early_exps.extend(inference.score(batch))
-        early.extend(batch)
+        early_exps.extend(inference.score(batch))   # one experience per sample, in order
         return True
 
     return work
