@@ -112,6 +112,35 @@ def test_three_ranks_on_one_host_plan_from_the_trigger_or_from_reports():
             assert abs(a.reward - b.reward) < 1e-9
 
 
+def test_a_planned_sample_that_finishes_before_its_export_is_not_reported_as_moved():
+    """Two destinations: the plan comes from the progress reports, and a rank that sees the
+    trigger decodes on until every report is there. Rank 0 reports half a second late, so the
+    source's one long sample (rank 2's, 30 tokens) finishes before its export. The rollout
+    reports as moved what was sent, not the plan: every rank agrees, the migrated flags match
+    it, and the rollout equals the serial one."""
+    long = {0: 50, 3: 50, 6: 50, 9: 50, 1: 40, 4: 40, 2: 30}
+    specs = [SampleSpec(i, [(5 * i) % 64, 3], max_new_tokens=long.get(i, 2), seed=8)
+             for i in range(12)]
+    configs = [RolloutConfig(fused=False), RolloutConfig(rt=7, m=2, mechanism="kv")]
+    out = [r.value for r in run_ranks(tiny_job_worker, 3, job(
+        configs, specs=specs, fault="late_progress_report_on_rank_0"), collective_timeout=60)]
+    serial, fused = out[0][0]["output"], out[0][1]["output"]
+    ranks = fused.stats["ranks"]
+    assert all("reports_s" in st for st in ranks)
+    planned = sorted(i for st in ranks for i in st.get("planned", []))
+    assert 2 in planned, ranks   # the plan moves rank 2's sample ...
+    moved = ranks[0]["moved"]
+    assert 2 not in moved        # ... which finished on rank 2 before its export
+    assert all(st["moved"] == moved for o in out for st in o[1]["stats"]["ranks"])
+    assert fused.assignment is not None and fused.assignment.moved_ids == moved
+    assert all(r.migrated == (r.sample_id in moved) for r in fused.results)
+    assert [e.sample_id for e in fused.experiences] == list(range(12))
+    for a, b in zip(serial.experiences, fused.experiences, strict=True):
+        assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+        assert torch.max(torch.abs(a.ref_logprobs - b.ref_logprobs)).item() < 1e-9
+        assert abs(a.reward - b.reward) < 1e-9
+
+
 def test_tickets_too_large_for_dev_shm_go_over_gloo_on_one_host():
     """A KV cache can outgrow /dev/shm (64 MB in a Docker container): its tickets go over
     gloo, announced by a header-only file, and the rollout still equals the serial one."""

@@ -90,8 +90,10 @@ _TAG_ACK = 1110
 
 FaultHook = Callable[[str, int], None]
 """Tests only: called as ``hook(point, n)`` at ``"tickets_received"`` (a destination got a
-source's ticket header; ``n`` is the source rank) and ``"streaming_step"`` (a destination's
-``n``-th decode step after the migration); it may kill the process to simulate a fault."""
+source's ticket header; ``n`` is the source rank), ``"streaming_step"`` (a destination's
+``n``-th decode step after the migration) and ``"progress_report"`` (a rank is about to write
+its progress report at the trigger; ``n`` is its rank); it may kill the process to simulate a
+fault, or sleep to simulate a slow one."""
 
 
 def _no_fault(point: str, n: int) -> None:
@@ -314,12 +316,13 @@ def run_rollout(
                     max((sum(kv_tokens[i] for ids in assignment.incoming(d).values()
                              for i in ids) for d in assignment.destinations), default=0),
                     backend, config, kv_ok)
-            stats["moved"] = assignment.moved_ids
+            # The plan; what moved is what the sources sent (below, after the final exchange).
+            stats["planned"] = assignment.moved_ids
         stats.update(destinations=assignment.destinations, mechanism=mechanism,
                      plan_s=time.perf_counter() - t0)
         incoming: _Incoming | None = None
         if board is None:
-            settle = _migrate(r, backend, assignment, mechanism)
+            settle = _migrate(r, backend, assignment, mechanism, stats)
         else:
             settle, incoming = _migrate_shared(r, backend, assignment, mechanism, board, stats)
         # An engine may finish a sample between the report and the export (vLLM): it got no
@@ -342,8 +345,10 @@ def run_rollout(
             else _board_gather(r, board, msg, "the experience batch"))
     gathered = [(results, exps, stats) if k == r.rank else (*unpack_batch(pb), st)
                 for k, (pb, st) in enumerate(wire)]
-    if roles and assignment is not None:
-        # Roles at the trigger: each source said what it sent, now every rank knows.
+    if assignment is not None:
+        # What moved is what each source sent, which every rank knows now: the plan's samples
+        # that finished before their export stayed where they were (roles at the trigger name
+        # no samples; the reports' plan can name one that finished while its rank decoded on).
         assignment = MigrationAssignment(
             assignment.destinations, assignment.freed,
             {g[2]["rank"]: dict(g[2]["sent"]) for g in gathered if g[2].get("sent")})
@@ -596,8 +601,9 @@ def _check_alive(r: _Rank, beats: dict[int, tuple[Any, float]], counts: Any, now
 
 
 def _migrate(r: _Rank, backend: GenerationBackend, plan: MigrationAssignment,
-             mechanism: str) -> Callable[[], None]:
-    """Send this rank's moving samples and import the ones sent to it. Returns ``settle``:
+             mechanism: str, stats: dict[str, Any]) -> Callable[[], None]:
+    """Send this rank's moving samples and import the ones sent to it (``stats["sent"]``:
+    the ids sent to each destination). Returns ``settle``:
     the waits for the destinations' acknowledgements. A source
     calls it once it has scored its own finished samples, not before: waiting for the
     acknowledgement first would hold its scoring back by the destination's import, on the
@@ -607,6 +613,7 @@ def _migrate(r: _Rank, backend: GenerationBackend, plan: MigrationAssignment,
     mine = plan.moves.get(r.rank, {})
     for dst, ids in sorted(mine.items()):
         tickets = backend.export_samples(ids, mode=mechanism)  # type: ignore[arg-type]
+        stats.setdefault("sent", {})[dst] = [t.sample_id for t in tickets]
         ints, floats = pack_tickets(tickets)
         hdr = header(0, len(tickets), ints, floats)
         what = (f"sending {len(ids)} migrated samples to destination rank {dst}, which must "
@@ -818,8 +825,10 @@ def _exchange_reports(r: _Rank, board: SharedBoard, rows: Sequence[tuple[int, ..
     until the peer's report is there (a step, 2-3 ms on the demo's CPU, was this rank's idle
     time): whether it turns out a source or a destination, its samples get nearer their end.
     A sample the plan moves that finishes meanwhile stays here: its source exports only
-    unfinished samples (``export_samples`` skips the others), so none is lost or doubled."""
+    unfinished samples (``export_samples`` skips the others), so none is lost or doubled, and
+    ``run_rollout`` reports as moved what the sources sent, not the plan."""
     own = board.mailbox(f"r{board.seq}.{r.rank}")
+    r.fault("progress_report", r.rank)
     _write_whole(own, torch.tensor(rows, dtype=torch.int64).reshape(-1, 4))
     out = []
     for i in range(r.world):

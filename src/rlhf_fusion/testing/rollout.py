@@ -34,7 +34,15 @@ def kill_destination_while_streaming(point: str, n: int) -> None:
         os._exit(18)
 
 
+def late_progress_report_on_rank_0(point: str, n: int) -> None:
+    """Rank 0 writes its progress report at the trigger half a second late (a slow rank): its
+    peers decode on meanwhile, and their planned samples can finish before the export."""
+    if point == "progress_report" and n == 0:
+        time.sleep(0.5)
+
+
 FAULTS: dict[str, FaultHook] = {
+    "late_progress_report_on_rank_0": late_progress_report_on_rank_0,
     "kill_destination_during_migration": kill_destination_during_migration,
     "kill_destination_while_streaming": kill_destination_while_streaming,
 }
