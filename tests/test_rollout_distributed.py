@@ -84,6 +84,30 @@ def test_a_rank_whose_shard_ends_before_the_trigger_scores_its_samples_meanwhile
         assert abs(a.reward - b.reward) < 1e-9
 
 
+def test_a_destination_still_generating_streams_two_micro_batches_a_chunk():
+    """Rank 1 holds six 10-token completions and two 40-token ones, rank 0 only 2-token
+    ones: at the trigger rank 1 is the destination with six finished samples (two
+    micro-batches of 3) and 30 steps still to decode. Rank 0, hungry, gets all six in one
+    chunk: a push and a pop on the critical paths instead of two. The tail's last two come
+    after the generation, in chunks of at most one micro-batch."""
+    specs = [SampleSpec(i, [(5 * i) % 64, 3], max_new_tokens=(
+        2 if i % 2 == 0 else 40 if i in (13, 15) else 10), seed=5) for i in range(16)]
+    configs = [RolloutConfig(fused=False), RolloutConfig(rt=4, mechanism="kv")]
+    out = [r.value for r in run_ranks(tiny_job_worker, 2, job(configs, specs=specs),
+                                      collective_timeout=60)]
+    serial, fused = out[0][0]["output"], out[0][1]["output"]
+    ranks = fused.stats["ranks"]
+    assert ranks[1]["destinations"] == [1] and not ranks[1]["moved"]
+    chunks = ranks[1]["stream_chunks"]
+    assert chunks[0] == 6 and all(c <= 3 for c in chunks[1:]), chunks
+    assert sum(st["scored"] for st in ranks) == 16
+    assert [e.sample_id for e in fused.experiences] == list(range(16))
+    for a, b in zip(serial.experiences, fused.experiences, strict=True):
+        assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+        assert torch.max(torch.abs(a.ref_logprobs - b.ref_logprobs)).item() < 1e-9
+        assert abs(a.reward - b.reward) < 1e-9
+
+
 def test_three_ranks_on_one_host_plan_from_the_trigger_or_from_reports():
     """One destination (m = 1): the roles come with the trigger and no rank reports its
     progress; two destinations (m = 2): the reports are exchanged and ``assign_migration``

@@ -16,6 +16,7 @@ from rlhf_fusion.rollout import (
     RolloutError,
     SampleSpec,
 )
+from rlhf_fusion.rollout.paged import joined_kv
 from rlhf_fusion.rollout.reference import ReferenceBackend
 from rlhf_fusion.rollout.sampling import (
     derive_seed,
@@ -23,7 +24,7 @@ from rlhf_fusion.rollout.sampling import (
     keyed_uniform,
     keyed_uniform_torch,
 )
-from rlhf_fusion.rollout.wire import pack_tickets, unpack_tickets
+from rlhf_fusion.rollout.wire import pack_ticket_parts, pack_tickets, unpack_tickets
 from rlhf_fusion.testing import build_causal_lm, tiny_config
 
 VOCAB = 64
@@ -244,6 +245,10 @@ def test_export_import_reproduces_unmoved_tokens(model, mode):
     assert sorted(t.sample_id for t in tickets) == moving and not src.unfinished()
     assert all((t.spec.kv is not None) == (mode == "kv" and bool(t.spec.generated_ids))
                for t in tickets)
+    if mode == "kv":   # one gathered block, which the message carries as it is
+        kvs = [t.spec.kv.data for t in tickets if t.spec.kv is not None]
+        assert joined_kv(kvs) is not None
+        assert pack_ticket_parts(tickets)[1][1].data_ptr() == kvs[0].data_ptr()
     ints, floats = pack_tickets(tickets)
     dst.import_samples(unpack_tickets(len(tickets), ints, floats))
     for r in dst.results():

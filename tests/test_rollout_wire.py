@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_fusion.rollout.paged import KVHandle
+from rlhf_fusion.rollout.paged import KVHandle, joined_kv
 from rlhf_fusion.rollout.types import MigrationTicket, SampleSpec
-from rlhf_fusion.rollout.wire import pack_tickets, unpack_tickets
+from rlhf_fusion.rollout.wire import pack_ticket_parts, pack_tickets, unpack_tickets
 
 
 def tickets() -> list[MigrationTicket]:
@@ -86,3 +86,43 @@ def test_a_message_that_does_not_add_up_is_refused(cut):
         n -= 1
     with pytest.raises(ValueError, match="malformed ticket message"):
         unpack_tickets(n, ints, floats)
+
+
+def test_kv_exported_together_goes_into_the_message_as_one_block_without_a_copy():
+    """``PagedKVPool.export`` hands out views of the one block it gathered; the message's KV
+    part is that block itself (the same memory), and unpacked, every sample's KV is its own
+    again, bit for bit."""
+    block = torch.randn(2, 2, 9, 3, 8, dtype=torch.float64)
+    views = torch.split(block, [4, 2, 3], dim=2)
+    assert joined_kv(list(views)) is block
+    sent = [MigrationTicket(SampleSpec(i, (1, 2), 16, generated_ids=(3,) * n,
+                                       logprobs=(-1.0,) * n, kv=KVHandle(v)), "kv", 0)
+            for i, (n, v) in enumerate(zip((5, 3, 4), views, strict=True))]
+    ints, parts = pack_ticket_parts(sent)
+    assert len(parts) == 2 and parts[1].data_ptr() == block.data_ptr()
+    got = unpack_tickets(3, ints, torch.cat(parts))
+    for a, b in zip(sent, got, strict=True):
+        assert torch.equal(a.spec.kv.data, b.spec.kv.data)
+    assert torch.equal(pack_tickets(sent)[1], torch.cat(parts))
+
+
+def test_kv_that_is_not_one_block_in_order_is_joined_by_a_copy():
+    block = torch.randn(2, 2, 9, 3, 8, dtype=torch.float64)
+    a, b, c = torch.split(block, [4, 2, 3], dim=2)
+    assert joined_kv([b, a, c]) is None                           # out of order
+    assert joined_kv([a, b]) is None                              # not all of it
+    assert joined_kv([a, b, c.clone()]) is None                   # another tensor
+    assert joined_kv([block.transpose(3, 4)[:, :, :9]]) is None   # another layout
+    sent = [MigrationTicket(SampleSpec(i, (1,), 16, generated_ids=(3,) * (k.shape[2] + 1),
+                                       logprobs=(-1.0,) * (k.shape[2] + 1), kv=KVHandle(k)),
+                            "kv", 0) for i, k in enumerate((b, a, c))]
+    got = unpack_tickets(3, *pack_tickets(sent))
+    assert [torch.equal(x.spec.kv.data, y.spec.kv.data) for x, y in zip(sent, got)] == [True] * 3
+
+
+def test_kv_of_two_models_in_one_message_is_refused():
+    sent = [MigrationTicket(SampleSpec(i, (1,), 16, generated_ids=(3, 3), logprobs=(-1.0,) * 2,
+                                       kv=KVHandle(torch.zeros(2, 2, 1, h, 8))), "kv", 0)
+            for i, h in enumerate((3, 4))]
+    with pytest.raises(ValueError, match="different layouts"):
+        pack_tickets(sent)

@@ -32,7 +32,8 @@ ATTN_IMPL_NAME = "rlhf_fusion_rollout_paged"  # distinct from triton_kernels' ow
 
 @dataclass
 class KVHandle:
-    """The exported KV of one sample: (layers, 2, tokens, kv_heads, head_dim) on CPU."""
+    """The exported KV of one sample: (layers, 2, tokens, kv_heads, head_dim) on CPU; often
+    a view of a block along dim 2 that the samples exported or sent with it share."""
 
     data: torch.Tensor
 
@@ -43,6 +44,23 @@ class KVHandle:
     @property
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+
+def joined_kv(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The contiguous tensor that ``parts`` are, in order, consecutive whole slices of along
+    dim 2 (as ``torch.split`` cuts them), or None: then the caller concatenates them."""
+    base = parts[0]._base if parts else None
+    if base is None or base.dim() != 5 or not base.is_contiguous():
+        return None
+    stride, head, tail = base.stride(), base.shape[:2], base.shape[3:]
+    at = base.storage_offset()
+    for p in parts:
+        shape = p.shape
+        if (p._base is not base or p.storage_offset() != at or shape[:2] != head
+                or shape[3:] != tail or p.stride() != stride):
+            return None
+        at += shape[2] * stride[2]
+    return base if at == base.storage_offset() + base.shape[2] * stride[2] else None
 
 
 class PagedKVPool:
@@ -146,7 +164,11 @@ class PagedKVPool:
         """Flat slots of the first ``tokens`` positions of each ``(blocks, tokens)``, one after
         the other (built in Python: a tensor op per sample cost more than the copy itself)."""
         bs = self.block_size
-        idx = [b[p // bs] * bs + p % bs for b, n in spans for p in range(n)]
+        idx: list[int] = []
+        for blocks, n in spans:   # a range per block, not an element per token
+            for j in range(-(-n // bs)):
+                start = blocks[j] * bs
+                idx += range(start, start + min(bs, n - j * bs))
         return torch.tensor(idx, dtype=torch.long, device=self.device)
 
     def export(self, spans: Sequence[tuple[Sequence[int], int]]) -> list[KVHandle]:
@@ -164,9 +186,9 @@ class PagedKVPool:
             k, v = self.flat(layer)
             torch.index_select(k, 0, idx, out=data[layer, 0])
             torch.index_select(v, 0, idx, out=data[layer, 1])
-        data = data.cpu()
-        return [KVHandle(x.contiguous())
-                for x in torch.split(data, [n for _, n in spans], dim=2)]
+        # Views of the one gathered block: the wire packs it whole (``joined_kv``), where a
+        # copy per sample out of it had cost more than the gather.
+        return [KVHandle(x) for x in torch.split(data.cpu(), [n for _, n in spans], dim=2)]
 
     def copy(self, pairs: Sequence[tuple[Sequence[int], Sequence[int]]], tokens: int) -> None:
         """Copy the first ``tokens`` positions of each ``(source blocks, destination blocks)``
@@ -194,8 +216,11 @@ class PagedKVPool:
                     "identical models"
                 )
         idx = self._slot_list([(blocks, h.tokens) for blocks, h in items])
-        data = torch.cat([h.data for _, h in items], dim=2).to(device=self.device,
-                                                                dtype=self.dtype)
+        parts = [h.data for _, h in items]
+        data = joined_kv(parts)   # the tickets of one message, in order: their block as it is
+        if data is None:
+            data = torch.cat(parts, dim=2)
+        data = data.to(device=self.device, dtype=self.dtype)
         for layer in range(self.num_layers):
             k, v = self.flat(layer)
             k[idx] = data[layer, 0]
