@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+import statistics
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -272,39 +273,52 @@ def demo() -> str:
 
 
 def demo_grpo() -> str:
-    """``benchmarks/demo_compare.py --algo grpo`` (``rlhf-fusion demo --algo grpo --compare``)."""
+    """``benchmarks/demo_compare.py --algo grpo`` (``rlhf-fusion demo --algo grpo --compare``):
+    a table of the pairs, the bar's verdict, then short notes on what else was measured."""
     d = json.loads((RESULTS / "demo_compare_grpo.json").read_text())
     # The verdict as the demo reads the bar now (90% of the bound's gain), from the stored pairs.
     from rlhf_fusion.loop.demo_grpo import verdict
 
     d.update(verdict(d["pairs"]))
     dev = d["device"]
-    loads = [x for r in d["pairs"] for x in (r["fused"]["load_before"], r["fused"]["load_after"])]
-    per = ", ".join(f"{r['rollout_ratio']:.2f}x" for r in d["pairs"])
-    static = ", ".join(f"{r['static_rollout_ratio']:.2f}x" for r in d["pairs"])
-    bounds = ", ".join(f"{r['bound']:.2f}x" for r in d["pairs"] if r["bound"] is not None)
-    return (
-        f"`rlhf-fusion demo --algo grpo --compare` ({len(d['pairs'])} runs of {d['iterations']} "
-        f"iterations, fused and serial workers interleaved in the same 2 processes, {dev['cpu']}, "
-        f"{dev['cpu_cores']} cores, 1-minute load {min(loads):.1f}-{max(loads):.1f}): rollout "
-        f"(generation + Ref and reward scoring) serial/fused **{d['median_rollout_ratio']:.2f}x** "
-        f"(median; every run: {per}) against the simulator's bound for the runs' own lengths "
-        f"and timings ({bounds}), the serial run balancing its ranks' scoring as the fused "
-        f"stream does, so that the ratio is the overlap's (against the static split, each rank "
-        f"scoring its own samples as verl and OpenRLHF do: "
-        f"{d['median_static_rollout_ratio']:.2f}x; every run: {static}); whole iteration "
-        f"{min(r['iteration_ratio'] for r in d['pairs']):.2f}-"
-        f"{max(r['iteration_ratio'] for r in d['pairs']):.2f}x (training, the same work in "
-        f"every mode: {min(r['training_ratio'] for r in d['pairs']):.2f}-"
-        f"{max(r['training_ratio'] for r in d['pairs']):.2f}x); rewards equal in every "
-        f"iteration; the times leave out iteration 0 (warm-up). The demo's verdict on issue "
-        f"37's bar for these runs ({d['bar']}, no run below 1.0x in rollout or iteration): "
-        f"{'met' if d['bar_met'] else '**not met**'}; the rollout gains about "
-        f"{100 * (d['median_rollout_ratio'] - 1) / (d['median_bound'] - 1):.0f}% of what the "
-        f"bound allows (`benchmarks/results/grpo_demo_compare_analysis.md`). Per-stage seconds: "
-        "`benchmarks/results/demo_compare_grpo.md`, `demo_compare_grpo.png`." + corun()
-        + sixteen_cores()
-    )
+    pairs = d["pairs"]
+    loads = [x for r in pairs for x in (r["fused"]["load_before"], r["fused"]["load_after"])]
+
+    def row(name: str, key: str, median: float | None = None) -> str:
+        vals = [r[key] for r in pairs if r.get(key) is not None]
+        med = statistics.median(vals) if median is None else median
+        return (f"| {name} | **{med:.2f}x** | "
+                + ", ".join(f"{v:.2f}" for v in vals) + " |")
+
+    share = 100 * (d["median_rollout_ratio"] - 1) / (d["median_bound"] - 1)
+    lines = [
+        f"`rlhf-fusion demo --algo grpo --compare`: {len(pairs)} pairs of {d['iterations']} "
+        f"iterations, the fused and serial workers interleaved in the same 2 processes "
+        f"({dev['cpu']}, {dev['cpu_cores']} cores, 1-minute load {min(loads):.1f}-"
+        f"{max(loads):.1f}; iteration 0, the warm-up, left out). Serial/fused:",
+        "",
+        "| | median | every pair |",
+        "|---|---|---|",
+        row("rollout (generation + Ref and reward scoring), against the serial run that "
+            "balances its ranks' scoring as the fused stream does: the bar's ratio",
+            "rollout_ratio", d["median_rollout_ratio"]),
+        row("the simulator's bound for the pair's own lengths and timings", "bound",
+            d["median_bound"]),
+        row("rollout, against the static split (each rank scores its own samples, as verl "
+            "and OpenRLHF do)", "static_rollout_ratio"),
+        row("whole iteration", "iteration_ratio"),
+        row("training (the same work in every mode: the load control)", "training_ratio"),
+        "",
+        f"Rewards equal in every iteration. Issue 37's bar ({d['bar']}, no pair below 1.0x "
+        f"in rollout or iteration): {'met' if d['bar_met'] else '**not met**'}; the rollout "
+        f"gains {share:.0f}% of what the bound allows. Why, and what was tried: "
+        "`benchmarks/results/grpo_demo_compare_analysis.md`; per-stage seconds: "
+        "`benchmarks/results/demo_compare_grpo.md`, `demo_compare_grpo.png`.",
+    ]
+    notes = [n for n in (corun(), sixteen_cores()) if n]
+    if notes:
+        lines += [""] + [f"- {n}" for n in notes]
+    return "\n".join(lines)
 
 
 def corun() -> str:
@@ -317,14 +331,12 @@ def corun() -> str:
     beside_score = [r["slowdown"] for r in rows if r["a"] == "decode" and r["b"] == "score"]
     scoring = {r["b"]: r["slowdown"] for r in rows if r["a"] == "score"}
     cpu = d.get("device", {}).get("cpu", "the same CPU")
-    return (f" On {d['cores']} cores of {cpu} (its own run), a rank's decode step costs "
-            f"x{min(beside_score):.2f}-x{max(beside_score):.2f} beside its peer's scoring and "
-            f"a scoring call x{scoring['decode']:.2f} beside its peer's decoding "
-            f"(x{scoring['score']:.2f} beside its scoring), against the same "
-            "call while the peer sleeps (medians paired by 50 ms slots, "
-            "`benchmarks/results/corun_interference.md`): the overlap runs side by side what "
-            "the serial rollout's slowest rank decodes alone at its tail, a cost the "
-            "simulator's bound does not price.")
+    return (f"Overlap on shared cores ({d['cores']} cores of {cpu}, its own run): a decode "
+            f"step costs x{min(beside_score):.2f}-x{max(beside_score):.2f} beside the peer's "
+            f"scoring, a scoring call x{scoring['decode']:.2f} beside the peer's decoding "
+            f"(x{scoring['score']:.2f} beside its scoring), against the same call beside a "
+            "sleeping peer. The simulator's bound does not price it "
+            "(`benchmarks/results/corun_interference.md`).")
 
 
 def sixteen_cores() -> str:
@@ -334,34 +346,18 @@ def sixteen_cores() -> str:
     if not path.exists():
         return ""
     d = json.loads(path.read_text())
-
-    def runs_of(base: str) -> str:
-        return ", ".join(f"**{r['median']:.2f}x** against {r['bound']:.2f}x "
-                         f"({'met' if r['met'] else 'not met'})"
-                         for r in d["runs"] if r["baseline"] == base)
-
-    def pooled(base: str) -> str:
-        p = d[f"pooled_{base}"]
-        return (f"pooled over {p['pairs']} pairs {p['median']:.3f}x against a bound of "
-                f"{p['bound']:.3f}x (bar >= {p['need']:.3f}x: "
-                f"{'met' if p['met'] else 'not met'}), lowest pair {p['min']:.2f}x")
-
-    out = (" With a core for each rank (16 CPU cores of the device machine, no GPU used; "
-           "`PAIRS=7 bash benchmarks/grpo_quiet_machine.sh` or `demo_compare.py --algo grpo "
-           "--pairs 7`; sessions 46-49, their bounds from the scoring priced per token alone, "
-           "before the cost per sample of session 54)")
-    if "pooled_balanced" in d:
-        n = sum(r["baseline"] == "balanced" for r in d["runs"])
-        out += (f", against the balanced serial baseline, {n} runs: {runs_of('balanced')}; "
-                f"{pooled('balanced')}")
-    if "pooled_serial" in d:
-        n = sum(r["baseline"] == "serial" for r in d["runs"])
-        out += (f". Earlier, against the static split, {n} runs: {runs_of('serial')}; "
-                f"{pooled('serial')}; not counted: there the serial run's two ranks scored at "
-                "unequal speeds, which its static split pays for and the fused stream "
-                "balances, a gain beside the overlap that the bound does not model")
-    return out + (" (`benchmarks/results/grpo_16cores.md`, "
-                  "`grpo_demo_compare_analysis.md`).")
+    if "pooled_balanced" not in d:
+        return ""
+    runs = [r for r in d["runs"] if r["baseline"] == "balanced"]
+    p = d["pooled_balanced"]
+    return ("A core for each rank (16 CPU cores of the device machine, sessions 46-49, "
+            "bounds priced per token before session 54's per-sample term; "
+            "`PAIRS=7 bash benchmarks/grpo_quiet_machine.sh`): against the balanced serial "
+            f"run, {len(runs)} runs with medians "
+            + ", ".join(f"{r['median']:.2f}x (bound {r['bound']:.2f}x)" for r in runs)
+            + f"; pooled over {p['pairs']} pairs {p['median']:.3f}x against {p['bound']:.3f}x "
+            f"(bar >= {p['need']:.3f}x: {'met' if p['met'] else 'not met'}), lowest pair "
+            f"{p['min']:.2f}x (`benchmarks/results/grpo_16cores.md`).")
 
 
 def inject(text: str, name: str, body: str) -> str:
