@@ -94,15 +94,20 @@ def test_kv_exported_together_goes_into_the_message_as_one_block_without_a_copy(
     again, bit for bit."""
     block = torch.randn(2, 2, 9, 3, 8, dtype=torch.float64)
     views = torch.split(block, [4, 2, 3], dim=2)
-    assert joined_kv(list(views)) is block
+    joined = joined_kv(list(views))
+    assert joined.data_ptr() == block.data_ptr() and torch.equal(joined, block)
     sent = [MigrationTicket(SampleSpec(i, (1, 2), 16, generated_ids=(3,) * n,
                                        logprobs=(-1.0,) * n, kv=KVHandle(v)), "kv", 0)
             for i, (n, v) in enumerate(zip((5, 3, 4), views, strict=True))]
     ints, parts = pack_ticket_parts(sent)
     assert len(parts) == 2 and parts[1].data_ptr() == block.data_ptr()
-    got = unpack_tickets(3, ints, torch.cat(parts))
+    floats = torch.cat(parts)
+    got = unpack_tickets(3, ints, floats)
     for a, b in zip(sent, got, strict=True):
         assert torch.equal(a.spec.kv.data, b.spec.kv.data)
+    # and the destination loads them from the message's memory as one block again
+    again = joined_kv([t.spec.kv.data for t in got])
+    assert again.data_ptr() == floats[parts[0].numel():].data_ptr() and torch.equal(again, block)
     assert torch.equal(pack_tickets(sent)[1], torch.cat(parts))
 
 
@@ -113,6 +118,7 @@ def test_kv_that_is_not_one_block_in_order_is_joined_by_a_copy():
     assert joined_kv([a, b]) is None                              # not all of it
     assert joined_kv([a, b, c.clone()]) is None                   # another tensor
     assert joined_kv([block.transpose(3, 4)[:, :, :9]]) is None   # another layout
+    assert joined_kv([a, b.float(), c]) is None                   # another dtype
     sent = [MigrationTicket(SampleSpec(i, (1,), 16, generated_ids=(3,) * (k.shape[2] + 1),
                                        logprobs=(-1.0,) * (k.shape[2] + 1), kv=KVHandle(k)),
                             "kv", 0) for i, k in enumerate((b, a, c))]

@@ -47,20 +47,26 @@ class KVHandle:
 
 
 def joined_kv(parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
-    """The contiguous tensor that ``parts`` are, in order, consecutive whole slices of along
-    dim 2 (as ``torch.split`` cuts them), or None: then the caller concatenates them."""
-    base = parts[0]._base if parts else None
-    if base is None or base.dim() != 5 or not base.is_contiguous():
+    """One tensor ``(layers, 2, tokens, kv_heads, head_dim)`` over the memory ``parts``
+    already occupy, when they are, in order, consecutive slices along dim 2 of one contiguous
+    such block (as ``torch.split`` cuts the gathered export, or ``unpack_tickets`` a message);
+    None otherwise: then the caller concatenates them."""
+    first = parts[0] if parts else None
+    if first is None or first.dim() != 5:
         return None
-    stride, head, tail = base.stride(), base.shape[:2], base.shape[3:]
-    at = base.storage_offset()
+    layers, two, _, heads, dim = first.shape
+    tokens = sum(p.shape[2] for p in parts)
+    stride = (two * tokens * heads * dim, tokens * heads * dim, heads * dim, dim, 1)
+    ptr, dtype = first.untyped_storage().data_ptr(), first.dtype
+    at = first.storage_offset()
     for p in parts:
         shape = p.shape
-        if (p._base is not base or p.storage_offset() != at or shape[:2] != head
-                or shape[3:] != tail or p.stride() != stride):
+        if (p.storage_offset() != at or p.stride() != stride or shape[:2] != first.shape[:2]
+                or shape[3:] != first.shape[3:] or p.dtype != dtype
+                or p.untyped_storage().data_ptr() != ptr):
             return None
-        at += shape[2] * stride[2]
-    return base if at == base.storage_offset() + base.shape[2] * stride[2] else None
+        at += shape[2] * heads * dim
+    return first.as_strided((layers, two, tokens, heads, dim), stride, first.storage_offset())
 
 
 class PagedKVPool:
