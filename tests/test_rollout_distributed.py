@@ -213,6 +213,8 @@ def test_balanced_scoring_hands_a_slow_rank_s_micro_batches_to_the_other(board):
     ranks = balanced.stats["ranks"]
     assert sum(st["scored"] for st in ranks) == 16
     assert ranks[1]["scored"] > 8 and ranks[0]["scoring_batches"] < 3, ranks
+    # nothing is generating: every chunk is one micro-batch (or the last, partial one)
+    assert all(c <= 3 for st in ranks for c in st.get("stream_chunks", ())), ranks
     # No overlap: scoring starts after every rank's generation, as in the static split.
     assert min(st["inference_start_s"] + st["t0"] for st in ranks) >= max(
         st["generation_end_s"] + st["t0"] for st in ranks)

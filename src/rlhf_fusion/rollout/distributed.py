@@ -999,7 +999,9 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
                 incoming.poll(block=not backend.unfinished())
                 if not incoming.pending:
                     stats["imported_s"] = time.perf_counter() - t0
-            share(generating=True)
+            # (not generating at all: a serial rollout balancing its scoring, whose chunks
+            # stay one micro-batch)
+            share(generating=bool(backend.unfinished()))
             if not backend.unfinished():
                 break
             finished = backend.step()

@@ -388,10 +388,11 @@ class ReferenceBackend:
         exported = dict(zip((s.sid for s in live),
                             self.pool.export([(s.blocks, s.kv_len) for s in live]), strict=True))
         tickets = []
+        freed: list[int] = []   # released at once: the free list is sorted on each release
         for s in taken:
             kv: Any = exported.get(s.sid)
             if s.blocks:
-                self.pool.release(s.blocks)
+                freed += s.blocks
             elif mode == "kv" and isinstance(s.spec.kv, KVHandle):
                 kv = s.spec.kv  # imported but not yet admitted: pass its KV on untouched
             # (ints and floats this backend appended: nothing for the spec's checks to do)
@@ -399,6 +400,8 @@ class ReferenceBackend:
                                    logprobs=tuple(s.logprobs), kv=kv)
             self._known.discard(s.sid)
             tickets.append(MigrationTicket(spec=spec, mode=mode, source=self.instance_id))
+        if freed:
+            self.pool.release(freed)
         return tickets
 
     # -- weights and memory -------------------------------------------------------------------
