@@ -26,6 +26,24 @@ def job(configs, specs=SPECS, **kw):
                    critic=dict(SMALL, seed=4), bs_max=8, micro_batch=3, **kw)
 
 
+def serial_and_fused(world, configs, **kw):
+    """Rank 0's outputs of ``configs`` (the serial rollout, then the fused one) on ``world``
+    ranks."""
+    out = [r.value for r in run_ranks(tiny_job_worker, world, job(configs, **kw),
+                                      collective_timeout=60)]
+    return out[0][0]["output"], out[0][1]["output"]
+
+
+def assert_equals_serial(serial, fused, n):
+    """Every one of the ``n`` samples once, in order, each with the serial rollout's tokens,
+    finish reason, Ref logprobs and reward."""
+    assert [e.sample_id for e in fused.experiences] == list(range(n))
+    for a, b in zip(serial.experiences, fused.experiences, strict=True):
+        assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
+        assert torch.max(torch.abs(a.ref_logprobs - b.ref_logprobs)).item() < 1e-9
+        assert abs(a.reward - b.reward) < 1e-9
+
+
 def test_two_ranks_fused_equals_serial_for_both_mechanisms():
     configs = [RolloutConfig(fused=False), RolloutConfig(rt=6, mechanism="kv"),
                RolloutConfig(rt=6, mechanism="tokens", report_every=1)]
@@ -67,9 +85,7 @@ def test_a_rank_whose_shard_ends_before_the_trigger_scores_its_samples_meanwhile
     specs = [SampleSpec(i, [(5 * i) % 64, 3], max_new_tokens=2 if i % 2 == 0 or i == 15
                         else 30 + i, seed=5) for i in range(16)]
     configs = [RolloutConfig(fused=False), RolloutConfig(rt=4, mechanism="kv")]
-    out = [r.value for r in run_ranks(tiny_job_worker, 2, job(configs, specs=specs),
-                                      collective_timeout=60)]
-    serial, fused = out[0][0]["output"], out[0][1]["output"]
+    serial, fused = serial_and_fused(2, configs, specs=specs)
     ranks = fused.stats["ranks"]
     assert ranks[0]["destinations"] == [1] and not ranks[0]["moved"]
     assert ranks[0]["inference_start_s"] < ranks[0]["trigger_s"], ranks[0]
@@ -77,11 +93,7 @@ def test_a_rank_whose_shard_ends_before_the_trigger_scores_its_samples_meanwhile
     assert sum(st["scored"] for st in ranks) == 16
     assert sum(st["scoring_batches"] for st in ranks) <= sum(
         st["scoring_batches"] for st in serial.stats["ranks"])
-    assert [e.sample_id for e in fused.experiences] == list(range(16))
-    for a, b in zip(serial.experiences, fused.experiences, strict=True):
-        assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
-        assert torch.max(torch.abs(a.ref_logprobs - b.ref_logprobs)).item() < 1e-9
-        assert abs(a.reward - b.reward) < 1e-9
+    assert_equals_serial(serial, fused, 16)
 
 
 def test_a_destination_still_generating_streams_two_micro_batches_a_chunk():
@@ -93,19 +105,13 @@ def test_a_destination_still_generating_streams_two_micro_batches_a_chunk():
     specs = [SampleSpec(i, [(5 * i) % 64, 3], max_new_tokens=(
         2 if i % 2 == 0 else 40 if i in (13, 15) else 10), seed=5) for i in range(16)]
     configs = [RolloutConfig(fused=False), RolloutConfig(rt=4, mechanism="kv")]
-    out = [r.value for r in run_ranks(tiny_job_worker, 2, job(configs, specs=specs),
-                                      collective_timeout=60)]
-    serial, fused = out[0][0]["output"], out[0][1]["output"]
+    serial, fused = serial_and_fused(2, configs, specs=specs)
     ranks = fused.stats["ranks"]
     assert ranks[1]["destinations"] == [1] and not ranks[1]["moved"]
     chunks = ranks[1]["stream_chunks"]
     assert chunks[0] == 6 and all(c <= 3 for c in chunks[1:]), chunks
     assert sum(st["scored"] for st in ranks) == 16
-    assert [e.sample_id for e in fused.experiences] == list(range(16))
-    for a, b in zip(serial.experiences, fused.experiences, strict=True):
-        assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
-        assert torch.max(torch.abs(a.ref_logprobs - b.ref_logprobs)).item() < 1e-9
-        assert abs(a.reward - b.reward) < 1e-9
+    assert_equals_serial(serial, fused, 16)
 
 
 def test_three_ranks_on_one_host_plan_from_the_trigger_or_from_reports():
@@ -129,11 +135,7 @@ def test_three_ranks_on_one_host_plan_from_the_trigger_or_from_reports():
         assert all(r.migrated == (r.sample_id in moved) for r in fused.results)
         for other in out[1:]:   # every rank returns the same plan
             assert all(st["moved"] == moved for st in other[k]["stats"]["ranks"])
-        assert [e.sample_id for e in fused.experiences] == list(range(16))
-        for a, b in zip(serial.experiences, fused.experiences, strict=True):
-            assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
-            assert torch.max(torch.abs(a.ref_logprobs - b.ref_logprobs)).item() < 1e-9
-            assert abs(a.reward - b.reward) < 1e-9
+        assert_equals_serial(serial, fused, 16)
 
 
 def test_a_planned_sample_that_finishes_before_its_export_is_not_reported_as_moved():
@@ -158,11 +160,7 @@ def test_a_planned_sample_that_finishes_before_its_export_is_not_reported_as_mov
     assert all(st["moved"] == moved for o in out for st in o[1]["stats"]["ranks"])
     assert fused.assignment is not None and fused.assignment.moved_ids == moved
     assert all(r.migrated == (r.sample_id in moved) for r in fused.results)
-    assert [e.sample_id for e in fused.experiences] == list(range(12))
-    for a, b in zip(serial.experiences, fused.experiences, strict=True):
-        assert a.response_ids == b.response_ids and a.finish_reason == b.finish_reason
-        assert torch.max(torch.abs(a.ref_logprobs - b.ref_logprobs)).item() < 1e-9
-        assert abs(a.reward - b.reward) < 1e-9
+    assert_equals_serial(serial, fused, 12)
 
 
 def test_tickets_too_large_for_dev_shm_go_over_gloo_on_one_host():
