@@ -132,3 +132,13 @@ def test_kv_of_two_models_in_one_message_is_refused():
             for i, h in enumerate((3, 4))]
     with pytest.raises(ValueError, match="different layouts"):
         pack_tickets(sent)
+    # and a message whose tickets claim two layouts is refused by name on arrival
+    one = [MigrationTicket(t.spec._replace(kv=KVHandle(torch.zeros(2, 2, 1, 3, 8))), "kv", 0)
+           for t in sent]
+    ints, floats = pack_tickets(one)
+    # the second ticket (from int 16: 13 + its prompt, 2 tokens) says (2, 2, 1, 4, 6): as
+    # many floats, another layout
+    assert ints[24:29].tolist() == [2, 2, 1, 3, 8]
+    ints[27:29] = torch.tensor([4, 6])
+    with pytest.raises(ValueError, match=r"2 layouts \[\(2, 2, 3, 8\), \(2, 2, 4, 6\)\]"):
+        unpack_tickets(2, ints, floats)

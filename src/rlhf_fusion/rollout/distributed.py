@@ -394,6 +394,12 @@ HANDOFF_WAIT_STEPS = 0.5
 STREAM_CHUNK_MICRO_BATCHES = 2
 IDLE_POLL_MAX_S = 0.008
 HEARTBEAT_CHECK_S = 0.05
+# The longest sleep between two checks of a rank waiting on the board for a peer (its file, its
+# count), which has nothing else to do meanwhile: every rollout ends in such a wait (the
+# all-gather of the experience batch), and the waiter finds its peer's file half a sleep late
+# on average. A sleep overshoots by about 55 us on the 2-core VM (0.1 ms sleeps 0.15 ms, 0.5 ms
+# sleeps 0.56 ms): at 0.5 ms the final exchange's waiter saw its peer's file ~0.3 ms late.
+AWAIT_POLL_MAX_S = 1e-4
 
 
 # The shared board of each process group this process rolls out in, set up by the group's
@@ -699,14 +705,15 @@ def _migrate_shared(r: _Rank, backend: GenerationBackend, plan: MigrationAssignm
         # In parts: the KV block goes into the file as export gathered it.
         ints, parts = pack_ticket_parts(tickets)
         path = board.mailbox(f"m{board.seq}.{r.rank}.{dst}")
-        n_flt = sum(t.numel() for t in parts)
-        kind = _IN_FILE if _fits_in_shm(path, 8 * (4 + ints.numel() + n_flt)) else _OVER_GLOO
+        head = header(_IN_FILE, len(tickets), ints, parts)
+        kind = (_IN_FILE if _fits_in_shm(path, 8 * (4 + ints.numel() + int(head[3])))
+                else _OVER_GLOO)
         try:
-            _write_whole(path, header(kind, len(tickets), ints, parts),
-                         *((ints, *parts) if kind == _IN_FILE else ()))
+            head[0] = kind
+            _write_whole(path, head, *((ints, *parts) if kind == _IN_FILE else ()))
         except OSError:   # /dev/shm filled up meanwhile
-            kind = _OVER_GLOO
-            _write_whole(path, header(kind, len(tickets), ints, parts))
+            kind = head[0] = _OVER_GLOO
+            _write_whole(path, head)
         if kind == _OVER_GLOO:
             sends += _send_body(r, dst, ints, torch.cat(parts),
                                 "sending migrated samples over gloo (too large for /dev/shm)")
@@ -906,8 +913,8 @@ def _board_gather(r: _Rank, board: SharedBoard, obj: Any, what: str) -> list[Any
 
 def _await(r: _Rank, board: SharedBoard, peer: int, ready: Callable[[], bool], what: str,
            exc_type: type[RolloutError]) -> None:
-    """Poll ``ready`` (backing off to 0.5 ms) until it holds; a ``peer`` whose process is
-    gone fails the wait at once, one that hangs after ``timeout_s``."""
+    """Poll ``ready`` (backing off to ``AWAIT_POLL_MAX_S``) until it holds; a ``peer`` whose
+    process is gone fails the wait at once, one that hangs after ``timeout_s``."""
     deadline = time.perf_counter() + r.cfg.timeout_s
     idle = 2e-5
     while not ready():
@@ -918,7 +925,7 @@ def _await(r: _Rank, board: SharedBoard, peer: int, ready: Callable[[], bool], w
             raise exc_type(f"rank {r.rank}: {what} (peer rank {peer}) failed within the "
                            f"{r.cfg.timeout_s:g}s timeout; rank {peer} died or hung")
         time.sleep(idle)
-        idle = min(2 * idle, 5e-4)
+        idle = min(2 * idle, AWAIT_POLL_MAX_S)
 
 
 def _await_file(r: _Rank, board: SharedBoard, path: str, peer: int, what: str,
@@ -1001,8 +1008,9 @@ def _stream(r: _Rank, backend: GenerationBackend, inference: InferenceModels | N
                     stats["imported_s"] = time.perf_counter() - t0
             # (not generating at all: a serial rollout balancing its scoring, whose chunks
             # stay one micro-batch)
-            share(generating=bool(backend.unfinished()))
-            if not backend.unfinished():
+            generating = bool(backend.unfinished())
+            share(generating=generating)
+            if not generating:
                 break
             finished = backend.step()
             results.extend(finished)

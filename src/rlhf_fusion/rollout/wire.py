@@ -95,7 +95,10 @@ def unpack_tickets(n: int, ints: torch.Tensor, floats: torch.Tensor,
         raise ValueError("malformed ticket message: payload lengths do not match the header")
     if n_scalars + n_kv > floats.numel():
         raise ValueError("malformed ticket message: fewer floats than its KV needs")
-    if n_scalars + n_kv != floats.numel() or len(layout) > 1:
+    if len(layout) > 1:
+        raise ValueError(f"malformed ticket message: its tickets' KV has {len(layout)} layouts "
+                         f"{sorted(layout)}; one message carries the samples of one model")
+    if n_scalars + n_kv != floats.numel():
         raise ValueError("malformed ticket message: payload lengths do not match the header")
     block = None
     if layout:
