@@ -112,25 +112,25 @@ def test_a_destination_waits_for_its_tickets_only_as_long_as_it_was_told(tmp_pat
 
 def test_the_first_claim_of_the_trigger_fixes_the_counts_every_rank_reads():
     """Two ranks may see the total fall to R_t at once and both claim the trigger with the
-    counts each read: every rank must plan from the same counts, the first claim's, or two
+    counts each read: every rank must plan from the same claim, the first one's, or two
     ranks could each take themselves for the destination."""
     a, b, c = boards(3)
     for x in (a, b, c):
         x.begin([6, 5, 4])
-    assert a.trigger_counts() is None
+    assert a.trigger_claim() is None
     b.claim_trigger([3, 2, 1])
-    a.claim_trigger([3, 1, 1])     # the slower claim: the trigger word is its, the counts not
+    a.claim_trigger([3, 1, 1])     # the slower claim: the trigger word is its, the claim not
     assert a.trigger() == b.trigger() == c.trigger() == 0
-    assert a.trigger_counts() == b.trigger_counts() == c.trigger_counts() == [3, 2, 1]
+    assert a.trigger_claim() == b.trigger_claim() == c.trigger_claim() == ([3, 2, 1], 1)
     assert not [n for n in os.listdir(shm_dir()) if n.startswith(os.path.basename(a.path))
                 and ".part" in n]   # no claim's draft is left behind
     for x in (a, b, c):
         x.begin([6, 5, 4])
-    assert c.trigger_counts() is None   # the next rollout starts without one
+    assert c.trigger_claim() is None   # the next rollout starts without one
     for x in (a, b, c):
         x.seq -= 1
     a.remove_trigger_counts()
-    assert b.trigger_counts() is None
+    assert b.trigger_claim() is None
     a.remove_trigger_counts()           # twice: nothing to remove, no error
     for x in (a, b, c):
         x.close()

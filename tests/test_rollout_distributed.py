@@ -114,6 +114,28 @@ def test_a_destination_still_generating_streams_two_micro_batches_a_chunk():
     assert_equals_serial(serial, fused, 16)
 
 
+def test_the_rank_that_claims_the_trigger_sends_its_samples_to_a_peer_still_decoding():
+    """Rank 0 holds four 60-token completions and decodes 10 ms a step slower; rank 1 two of
+    60 tokens, the rest of both shards end after two. Rank 0's second step brings the total
+    to R_t = 6 and it claims the trigger with more samples left (4 against 2) than rank 1,
+    which is in the middle of a step. It is the source nonetheless: it exports at once and
+    rank 1, the destination, finds the tickets when its step ends, where it would have idled
+    until rank 1's step ended and rank 1 had exported."""
+    specs = [SampleSpec(i, [(5 * i) % 64, 3], max_new_tokens=60 if i in (0, 2, 4, 6, 1, 3)
+                        else 2, seed=5) for i in range(16)]
+    configs = [RolloutConfig(fused=False), RolloutConfig(rt=6, mechanism="kv")]
+    serial, fused = serial_and_fused(2, configs, specs=specs, slow_decoding={0: 0.01})
+    ranks = fused.stats["ranks"]
+    counts, claimer = ranks[0]["trigger_claim"]
+    assert ranks[1]["trigger_claim"] == (counts, claimer)
+    assert min(counts) > 0, counts   # both ranks still decode at the claim
+    assert ranks[0]["destinations"] == ranks[1]["destinations"] == [1 - claimer]
+    assert sorted(ranks[0]["moved"]) == (
+        [0, 2, 4, 6] if claimer == 0 else [1, 3]), (ranks[0]["moved"], counts)
+    assert sum(st["scored"] for st in ranks) == 16
+    assert_equals_serial(serial, fused, 16)
+
+
 def test_three_ranks_on_one_host_plan_from_the_trigger_or_from_reports():
     """One destination (m = 1): the roles come with the trigger and no rank reports its
     progress; two destinations (m = 2): the reports are exchanged and ``assign_migration``

@@ -20,6 +20,7 @@ from rlhf_fusion.rollout.planning import (
     assign_migration,
     choose_destinations,
     choose_mechanism,
+    destination_at_trigger,
     lognormal_quantile_lengths,
     plan_migration,
     required_instances,
@@ -64,6 +65,15 @@ def test_validation_names_the_fix():
 def test_destinations_are_the_m_with_most_left():
     assert choose_destinations({0: 3, 1: 5, 2: 5, 3: 0}, 2) == [1, 2]
     assert choose_destinations({0: 1, 1: 0}, 3) == [0]
+
+
+def test_the_destination_at_the_trigger_is_never_the_claimer_while_a_peer_decodes():
+    assert destination_at_trigger([9, 4], claimer=0) == 1      # the claimer sends its 9
+    assert destination_at_trigger([4, 9], claimer=0) == 1
+    assert destination_at_trigger([7, 3, 3, 5], claimer=3) == 0
+    assert destination_at_trigger([0, 5, 5], claimer=0) == 1  # ties: lower rank
+    assert destination_at_trigger([6, 0], claimer=0) == 0     # a peer with none left: nothing moves
+    assert destination_at_trigger([0, 0], claimer=1) == 1
 
 
 @settings(max_examples=60, deadline=None)

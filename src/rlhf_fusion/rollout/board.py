@@ -199,33 +199,34 @@ class SharedBoard:
         self._put(6 * self.world, self.seq << _VALUE_BITS | self.rank + 1)
 
     def claim_trigger(self, counts: Sequence[int]) -> None:
-        """Set the trigger together with the ``counts`` it was set on, which every rank then
-        reads (:meth:`trigger_counts`) to agree on the migration's roles without another
-        message. Two ranks may see the total fall to R_t at once and both set the trigger;
-        the counts file is published by a hard link, which fails if it exists, so the first
-        claim's counts are the rollout's on every rank. Written before the trigger word: a
-        rank that sees the word finds the file."""
+        """Set the trigger together with the ``counts`` it was set on and this rank, the
+        claimer, which every rank then reads (:meth:`trigger_claim`) to agree on the
+        migration's roles without another message. Two ranks may see the total fall to R_t at
+        once and both set the trigger; the counts file is published by a hard link, which
+        fails if it exists, so the first claim is the rollout's on every rank. Written before
+        the trigger word: a rank that sees the word finds the file."""
         path = self.mailbox(f"t{self.seq}")
         part = f"{path}.part{self.rank}"
         with open(part, "wb") as f:
-            f.write(struct.pack(f"<{len(counts)}q", *counts))
+            f.write(struct.pack(f"<{len(counts) + 1}q", *counts, self.rank))
         try:
             os.link(part, path)
         except FileExistsError:
-            pass   # another rank claimed first: its counts hold
+            pass   # another rank claimed first: its claim holds
         finally:
             os.unlink(part)
         self.set_trigger()
 
-    def trigger_counts(self) -> list[int] | None:
-        """The counts this rollout's trigger was claimed on, or None (no claim: the trigger
-        was set by :meth:`set_trigger`, or not yet)."""
+    def trigger_claim(self) -> tuple[list[int], int] | None:
+        """The counts this rollout's trigger was claimed on and the rank that claimed it, or
+        None (no claim: the trigger was set by :meth:`set_trigger`, or not yet)."""
         try:
             with open(self.mailbox(f"t{self.seq}"), "rb") as f:
                 data = f.read()
         except FileNotFoundError:
             return None
-        return list(struct.unpack(f"<{len(data) // _WORD.size}q", data))
+        *counts, claimer = struct.unpack(f"<{len(data) // _WORD.size}q", data)
+        return counts, claimer
 
     def remove_trigger_counts(self) -> None:
         with contextlib.suppress(FileNotFoundError):

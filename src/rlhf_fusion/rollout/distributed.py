@@ -8,9 +8,10 @@ Critic models. Timeline of ``run_rollout`` on every rank, fused mode:
    one's step rate). The first rank that sees at most R_t unfinished samples in total sets
    the trigger; every rank checks it.
 2. **Plan.** The m ranks with most samples left are the destinations, the rest are freed.
-   With one destination on one host the trigger carries the counts it was set on and every
-   rank reads its role from them (:func:`_roles_at_trigger`); otherwise every rank's progress
-   reaches every rank and each computes the same ``assign_migration`` plan.
+   With one destination on one host the trigger carries the counts it was set on and its
+   claimer, and every rank reads its role from them (:func:`_roles_at_trigger`: the
+   destination is the rank with most samples left other than the claimer); otherwise every
+   rank's progress reaches every rank and each computes the same ``assign_migration`` plan.
 3. **Migrate.** Sources export their unfinished samples ("kv" or "tokens") and send the
    tickets; destinations import them and acknowledge. A source waits for the acknowledgement
    only after it has scored its own finished samples, and raises ``MigrationError`` naming a
@@ -71,8 +72,8 @@ from .local import RolloutOutput, assemble, moving, resolve_mode, shard_of, shou
 from .planning.planner import (
     MigrationAssignment,
     assign_migration,
-    choose_destinations,
     choose_mechanism,
+    destination_at_trigger,
 )
 from .types import (
     CoordinatorTimeout,
@@ -292,7 +293,7 @@ def run_rollout(
         note_stage("migration", 1)
         if roles:
             assert board is not None
-            assignment = _roles_at_trigger(r, backend, board)
+            assignment = _roles_at_trigger(r, backend, board, stats)
             if config.mechanism == "auto":
                 # (latency 0: the rule compares per-token costs, so any positive count gives
                 # the answer the sources' own counts would, on every rank alike)
@@ -493,26 +494,31 @@ def _until_trigger_shared(r: _Rank, backend: GenerationBackend, rt: int,
             next_check = now + HEARTBEAT_CHECK_S
 
 
-def _roles_at_trigger(r: _Rank, backend: GenerationBackend, board: SharedBoard
-                      ) -> MigrationAssignment:
-    """This rank's part of a one-destination plan, from the counts the trigger was claimed on
-    (:meth:`.SharedBoard.claim_trigger`): the rank with most samples left is the destination
-    (``choose_destinations``, as ``assign_migration`` picks it), and every other rank with
-    samples left sends all its unfinished samples there. Nothing else is needed: with one
-    destination there is nothing to balance, and m = ceil(R_t·M/C) = 1 means it holds any
-    R_t samples. So a source exports as soon as it sees the trigger, and the destination
-    expects their tickets at once. The progress reports' exchange kept the migrated samples
-    out of a whole decode step of the destination's (the rank that saw the trigger first
-    stepped until its peer's report was there): on the demo's CPU the import came 6.5 ms
-    after the trigger at the median, up to 16, and comes 1.8 ms after it now. A source whose
-    samples all finished meanwhile sends an empty file, acknowledged as any other. Each
-    source's stats say what it sent (``sent``); the final exchange tells every rank."""
-    counts = board.trigger_counts()
-    if counts is None:
+def _roles_at_trigger(r: _Rank, backend: GenerationBackend, board: SharedBoard,
+                      stats: dict[str, Any]) -> MigrationAssignment:
+    """This rank's part of a one-destination plan, from the claim of the trigger
+    (:meth:`.SharedBoard.claim_trigger`: the counts it was claimed on and the claimer). The
+    destination is the rank with most samples left other than the claimer
+    (:func:`~.planning.destination_at_trigger`): the claimer has just ended a decode step and
+    exports at once, while its peer is usually in the middle of one and finds the tickets
+    there when it ends. Every other rank with samples left sends all its unfinished samples
+    there. Nothing else is needed: with one destination there is nothing to balance, and
+    m = ceil(R_t·M/C) = 1 means it holds any R_t samples. So a source exports as soon as it
+    sees the trigger, and the destination expects their tickets at once. The progress
+    reports' exchange kept the migrated samples out of a whole decode step of the
+    destination's (the rank that saw the trigger first stepped until its peer's report was
+    there): on the demo's CPU the import came 6.5 ms after the trigger at the median, up to
+    16, and 1.8 ms after it with roles at the trigger. A source whose samples all finished
+    meanwhile sends an empty file, acknowledged as any other. Each source's stats say what it
+    sent (``sent``); the final exchange tells every rank."""
+    claim = board.trigger_claim()
+    if claim is None:
         raise CoordinatorTimeout(f"rank {r.rank}: the migration trigger is set without the "
                                  "counts it was set on; every rank of a rollout must run the "
                                  "same rlhf-fusion version")
-    dests = choose_destinations(dict(enumerate(counts)), 1)
+    counts, claimer = claim
+    stats["trigger_claim"] = (counts, claimer)
+    dests = [destination_at_trigger(counts, claimer)]
     sources = [i for i, n in enumerate(counts) if n > 0 and i not in dests]
     ids = backend.unfinished() if r.rank in sources else []
     return MigrationAssignment(
@@ -1167,10 +1173,12 @@ class _BoardStream:
     def wants(self) -> bool:
         """Whether a consumer has run out of its own samples and fewer than :attr:`AHEAD` of
         this rank's chunks wait unclaimed (a claim renames the chunk's file away)."""
+        if not self.board.any_hungry():   # (memory reads; the claims below are file checks)
+            return False
         while self.claimed < self.written and not os.path.exists(
                 self._path(self.r.rank, self.claimed)):
             self.claimed += 1
-        return self.written - self.claimed < self.AHEAD and self.board.any_hungry()
+        return self.written - self.claimed < self.AHEAD
 
     def hungry(self) -> None:
         self.board.set_hungry()

@@ -76,6 +76,8 @@ class TinyJob:
     shm_ticket_max_bytes: int | None = None
     # Seconds each scoring micro-batch takes longer on these ranks (a slower core).
     slow_scoring: dict[int, float] = field(default_factory=dict)
+    # Seconds each decode step takes longer on these ranks.
+    slow_decoding: dict[int, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.fault is not None and self.fault not in FAULTS:
@@ -124,6 +126,8 @@ def tiny_job_worker(rank: int, world: int, job: TinyJob) -> list[dict[str, Any]]
             inference.score(wres)
     if inference is not None and job.slow_scoring.get(rank):
         inference.score = _slowed(inference.score, job.slow_scoring[rank], job.micro_batch)
+    if job.slow_decoding.get(rank):
+        backend.step = _slowed_step(backend.step, job.slow_decoding[rank])  # type: ignore[method-assign]
     fault: Callable[[str, int], None] | None = FAULTS[job.fault] if job.fault else None
     out = []
     for cfg in job.configs:
@@ -141,5 +145,14 @@ def _slowed(score: Callable[[Any], Any], seconds: float, micro: int) -> Callable
     def run(samples: Any) -> Any:
         time.sleep(seconds * -(-len(samples) // micro))
         return score(samples)
+
+    return run
+
+
+def _slowed_step(step: Callable[[], Any], seconds: float) -> Callable[[], Any]:
+    """A backend's ``step`` that takes ``seconds`` longer."""
+    def run() -> Any:
+        time.sleep(seconds)
+        return step()
 
     return run
