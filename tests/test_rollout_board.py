@@ -129,8 +129,8 @@ def test_the_first_claim_of_the_trigger_fixes_the_counts_every_rank_reads():
     assert c.trigger_claim() is None   # the next rollout starts without one
     for x in (a, b, c):
         x.seq -= 1
-    a.remove_trigger_counts()
+    a.remove_trigger_claim()
     assert b.trigger_claim() is None
-    a.remove_trigger_counts()           # twice: nothing to remove, no error
+    a.remove_trigger_claim()           # twice: nothing to remove, no error
     for x in (a, b, c):
         x.close()

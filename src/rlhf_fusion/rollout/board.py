@@ -228,7 +228,7 @@ class SharedBoard:
         *counts, claimer = struct.unpack(f"<{len(data) // _WORD.size}q", data)
         return counts, claimer
 
-    def remove_trigger_counts(self) -> None:
+    def remove_trigger_claim(self) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.mailbox(f"t{self.seq}"))
 

@@ -363,7 +363,7 @@ def run_rollout(
         with contextlib.suppress(FileNotFoundError):
             os.unlink(board.mailbox(f"r{board.seq}.{r.rank}"))
         if r.rank == 0:     # and the counts of the trigger
-            board.remove_trigger_counts()
+            board.remove_trigger_claim()
     if r.rank == 0:
         for k in list(r._keys):
             try:
@@ -711,15 +711,14 @@ def _migrate_shared(r: _Rank, backend: GenerationBackend, plan: MigrationAssignm
         # In parts: the KV block goes into the file as export gathered it.
         ints, parts = pack_ticket_parts(tickets)
         path = board.mailbox(f"m{board.seq}.{r.rank}.{dst}")
-        head = header(_IN_FILE, len(tickets), ints, parts)
-        kind = (_IN_FILE if _fits_in_shm(path, 8 * (4 + ints.numel() + int(head[3])))
-                else _OVER_GLOO)
+        n_flt = sum(t.numel() for t in parts)
+        kind = _IN_FILE if _fits_in_shm(path, 8 * (4 + ints.numel() + n_flt)) else _OVER_GLOO
         try:
-            head[0] = kind
-            _write_whole(path, head, *((ints, *parts) if kind == _IN_FILE else ()))
+            _write_whole(path, header(kind, len(tickets), ints, parts),
+                         *((ints, *parts) if kind == _IN_FILE else ()))
         except OSError:   # /dev/shm filled up meanwhile
-            kind = head[0] = _OVER_GLOO
-            _write_whole(path, head)
+            kind = _OVER_GLOO
+            _write_whole(path, header(kind, len(tickets), ints, parts))
         if kind == _OVER_GLOO:
             sends += _send_body(r, dst, ints, torch.cat(parts),
                                 "sending migrated samples over gloo (too large for /dev/shm)")
